@@ -1,0 +1,823 @@
+"""Sebulba PPO (Hessel et al. 2021, "Podracer architectures") for envpool Atari and classic control.
+
+One file, read top to bottom: imports, `Args`, env factory, networks, pure functions (advantage
+estimation, losses), the actor thread, the learner update, `main`.
+
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
+own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
+learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
+learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
+skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
+behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
+data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
+gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+"""
+
+import json
+import os
+import queue
+import random
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    run_name: str | None = None
+    """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "cleanba"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    save_model: bool = False
+    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model"""
+    log_frequency: int = 10
+    """print a console line every this many updates (TensorBoard gets every update)"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """the id of the environment: an envpool Atari id (image observations, IMPALA CNN) or a
+    classic-control id such as CartPole-v1 (vector observations, MLP torso)"""
+    total_timesteps: int = 50_000_000
+    """total timesteps of the experiments (agent steps, summed over all envs and processes)"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer (PPO paper, Table 5)"""
+    local_num_envs: int = 64
+    """the number of parallel game environments of each actor thread"""
+    num_actor_threads: int = 2
+    """the number of actor threads on each actor device"""
+    num_steps: int = 128
+    """the number of steps of each rollout (PPO paper, Table 5: horizon 128)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (PPO paper, Table 5: alpha annealed)"""
+    gamma: float = 0.99
+    """the discount factor gamma (PPO paper, Table 5)"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation (PPO paper, Table 5)"""
+    num_minibatches: int = 4
+    """the number of mini-batches per epoch, on each learner device"""
+    update_epochs: int = 4
+    """the K epochs to update the policy (PPO paper Table 5 uses 3; CleanRL and Cleanba use 4)"""
+    norm_adv: bool = True
+    """toggles advantages normalization (per minibatch)"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient (PPO paper, Table 5: 0.1 x alpha)"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy (PPO paper, Table 5: c2 = 0.01)"""
+    vf_coef: float = 0.5
+    """coefficient of the value function (baselines' PPO2 Atari setting, shared torso)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping (baselines' PPO2)"""
+    channels: list[int] = field(default_factory=lambda: [16, 32, 32])
+    """the channels of the IMPALA CNN's residual stacks (Espeholt et al. 2018, Fig. 3)"""
+    hiddens: list[int] = field(default_factory=lambda: [256])
+    """the hidden layers after the CNN (IMPALA: one of 256), or of the MLP for vector observations"""
+
+    # Sebulba: devices, threads, processes
+    actor_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids that actor threads run inference on"""
+    learner_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids the data-parallel learner runs on (in every process)"""
+    concurrency: bool = True
+    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
+    distributed: bool = False
+    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
+    coordinator_address: str | None = None
+    """with --distributed outside SLURM: host:port of process 0"""
+    num_processes: int | None = None
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: int | None = None
+    """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    queue_timeout: float = 1.0
+    """seconds between checks for a stopped run while waiting on a queue"""
+
+    # to be filled in runtime
+    local_batch_size: int = 0
+    """steps per update collected by this process"""
+    batch_size: int = 0
+    """steps per update over all processes"""
+    num_updates: int = 0
+    """the number of learner updates"""
+    world_size: int = 0
+    """the number of processes"""
+    local_rank: int = 0
+    """this process's index"""
+    global_learner_device_ids: list[int] = field(default_factory=list)
+    """ids (jax.devices()) of the learner devices of all processes"""
+
+
+def fail(message: str):
+    """Bad input: one line naming the flag and what is allowed, exit code 2 (like argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend."""
+    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
+                 "total_timesteps", "log_frequency"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ["learning_rate", "queue_timeout"]:
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(args, name) <= 1:
+            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    for name in ["channels", "hiddens"]:
+        if not getattr(args, name) or min(getattr(args, name)) <= 0:
+            fail(f"--{name} must be one or more positive integers, got {getattr(args, name)}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        ids = getattr(args, name)
+        if not ids:
+            fail(f"--{name.replace('_', '-')} needs at least one device id")
+        if min(ids) < 0:
+            fail(f"--{name.replace('_', '-')} must be non-negative device ids, got {ids}")
+        if len(set(ids)) != len(ids):
+            fail(f"--{name.replace('_', '-')} has duplicate device ids: {ids}")
+    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
+    if env_family not in ("envpool.atari", "envpool.classic_control") or not hasattr(
+            envpool.make_spec(args.env_id).action_space, "n"):
+        fail(f"--env-id {args.env_id!r} is not supported: use an envpool Atari id (Breakout-v5, Pong-v5, ...) "
+             "or a discrete-action classic-control id (CartPole-v1, Acrobot-v1, MountainCar-v0)")
+    if args.local_num_envs % len(args.learner_device_ids) != 0:
+        fail(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+             f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
+    envs_per_learner_device = (len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs
+                               // len(args.learner_device_ids))
+    if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
+        fail(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+             f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
+    if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
+        fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def ensure_host_devices(args: Args):
+    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
+
+    The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
+    already set in XLA_FLAGS wins (appending never overwrites it); too few then fails validation.
+    """
+    needed = max(args.actor_device_ids + args.learner_device_ids) + 1
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+
+
+def is_atari(env_id: str) -> bool:
+    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
+
+
+def make_env(env_id: str, seed: int, num_envs: int):
+    def thunk():
+        if is_atari(env_id):
+            return envpool.make(
+                env_id,
+                env_type="gymnasium",
+                num_envs=num_envs,
+                seed=seed,  # env i of this pool is seeded with seed + i
+                # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ, so each
+                # setting is passed explicitly:
+                episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
+                reward_clip=True,  # rewards clipped to [-1, 1]
+                noop_max=30,  # up to 30 no-op actions at the start of each episode
+                full_action_space=False,  # the minimal, game-specific action set
+                max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
+                repeat_action_probability=0.0,  # no sticky actions, as in the IMPALA paper
+            )
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed)
+
+    return thunk
+
+
+class ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        inputs = x
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        return x + inputs
+
+
+class ConvSequence(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+        x = ResidualBlock(self.channels)(x)
+        x = ResidualBlock(self.channels)(x)
+        return x
+
+
+class ImpalaCNN(nn.Module):
+    """The IMPALA "deep" torso (Espeholt et al. 2018, Fig. 3). Observations stay uint8 until here."""
+
+    channels: Sequence[int]
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # envpool: (N, stack, H, W)
+        for channels in self.channels:
+            x = ConvSequence(channels)(x)
+        x = nn.relu(x)
+        x = x.reshape((x.shape[0], -1))
+        for hidden in self.hiddens:
+            x = nn.relu(nn.Dense(hidden)(x))
+        return x
+
+
+class MLP(nn.Module):
+    """Torso for vector observations (classic control)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    action_dim: int
+    channels: Sequence[int]
+    hiddens: Sequence[int]
+    image_obs: bool
+
+    @nn.compact
+    def __call__(self, obs):
+        hidden = ImpalaCNN(self.channels, self.hiddens)(obs) if self.image_obs else MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(hidden)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(hidden)
+        return logits, value.squeeze(-1)
+
+
+class Rollout(NamedTuple):
+    """One actor thread's rollout, time-major: (num_steps, envs, ...), bootstrap_value: (envs,)."""
+
+    obs: np.ndarray
+    actions: np.ndarray
+    logprobs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
+    bootstrap_value: np.ndarray  # V(obs after the last step)
+
+
+def env_axis(x) -> int:
+    """Rollout arrays are (num_steps, envs, ...) except bootstrap_value, which is (envs,)."""
+    return 0 if x.ndim == 1 else 1
+
+
+def env_slice(x, start: int, stop: int):
+    return x[start:stop] if env_axis(x) == 0 else x[:, start:stop]
+
+
+def compute_gae(rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
+
+    envpool returns the true last observation of an episode together with its end flag and resets
+    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
+    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
+    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
+    transition after it is envpool's reset step (masked out of the loss by `valid`).
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    episode_ends = jnp.logical_or(terminations, truncations)
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values
+
+    def backward(next_advantage, step):
+        delta, episode_end = step
+        advantage = delta + gamma * gae_lambda * (1.0 - episode_end) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, episode_ends), reverse=True)
+    return advantages, advantages + values
+
+
+def ppo_loss_terms(new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
+                   normalizer, clip_coef, clip_vloss):
+    """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
+    E[(r - 1) - log r] (Schulman 2020), unbiased and non-negative.
+    """
+    valid = valid.astype(jnp.float32)
+    logratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(logratio)
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef))
+    if clip_vloss:
+        clipped_values = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * jnp.maximum((new_values - returns) ** 2, (clipped_values - returns) ** 2)
+    else:
+        v_loss = 0.5 * (new_values - returns) ** 2
+    approx_kl = (ratio - 1) - logratio
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def categorical_logprob_entropy(logits, actions):
+    log_probs = jax.nn.log_softmax(logits)
+    logprob = jnp.take_along_axis(log_probs, actions[..., None], axis=-1).squeeze(-1)
+    entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return logprob, entropy
+
+
+class SummaryWriter:
+    """TensorBoard event files via the tensorboard package alone (no TF/torch), and W&B if tracked."""
+
+    def __init__(self, logdir: str, use_wandb: bool):
+        self.event_writer = EventFileWriter(logdir)
+        self.use_wandb = use_wandb
+
+    def add_scalars(self, scalars: dict, step: int):
+        values = [summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values)))
+        if self.use_wandb:
+            import wandb
+
+            wandb.log(scalars, step=step)
+
+    def add_text(self, tag: str, text: str):
+        tensor = tensor_pb2.TensorProto(dtype="DT_STRING", string_val=[text.encode()],
+                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[]))
+        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])))
+
+    def close(self):
+        self.event_writer.close()
+
+
+class RunStopped(Exception):
+    """Raised inside a thread waiting on a queue when another thread has stopped the run."""
+
+
+def queue_get(q: queue.Queue, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.put(item, timeout=timeout)
+        except queue.Full:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def actor_seeds(seed: int, process_index: int, thread_index: int):
+    """Distinct, reproducible env seed and PRNG seed for every (process, actor thread)."""
+    env_seed, key_seed = np.random.SeedSequence([seed, process_index, thread_index]).generate_state(2)
+    return int(env_seed % (2**31 - 2**20)), int(key_seed)
+
+
+def rollout(
+    args: Args,
+    thread_index: int,
+    make_envs,
+    actor_device: jax.Device,
+    learner_devices: list[jax.Device],
+    params_queue: queue.Queue,
+    rollout_queue: queue.Queue,
+    stop_event: threading.Event,
+    get_action_and_value,
+    get_value,
+):
+    """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
+    env_seed, key_seed = actor_seeds(args.seed, args.local_rank, thread_index)
+    envs = make_envs(env_seed)
+    key = jax.device_put(jax.random.key(key_seed), actor_device)
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    obs_space = envs.observation_space
+    next_obs, _ = envs.reset()
+    previous_episode_end = np.zeros(num_envs, dtype=bool)
+    # episode statistics on the real game: unclipped rewards, and whole games despite episodic life
+    episode_returns = np.zeros(num_envs, dtype=np.float64)
+    episode_lengths = np.zeros(num_envs, dtype=np.int64)
+    returned_episode_returns = np.full(num_envs, np.nan)
+    returned_episode_lengths = np.full(num_envs, np.nan)
+    envs_per_learner_device = num_envs // len(learner_devices)
+    actor_policy_version = 0
+    rollout_queue_put_time = 0.0
+
+    for update in range(1, args.num_updates + 1):
+        if stop_event.is_set():
+            raise RunStopped
+        params_queue_get_start = time.time()
+        # the skipped get at update 2 makes the actor exactly one policy version behind the learner
+        if update != 2 or not args.concurrency:
+            params, actor_policy_version = queue_get(params_queue, stop_event, args.queue_timeout)
+        params_queue_get_time = time.time() - params_queue_get_start
+
+        rollout_start = time.time()
+        inference_time = env_step_time = storage_time = 0.0
+        obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=obs_space.dtype)
+        actions = np.empty((num_steps, num_envs), dtype=np.int32)
+        logprobs = np.empty((num_steps, num_envs), dtype=np.float32)
+        values = np.empty((num_steps, num_envs), dtype=np.float32)
+        rewards = np.empty((num_steps, num_envs), dtype=np.float32)
+        terminations = np.empty((num_steps, num_envs), dtype=np.float32)
+        truncations = np.empty((num_steps, num_envs), dtype=np.float32)
+        valid = np.empty((num_steps, num_envs), dtype=bool)
+        for step in range(num_steps):
+            inference_start = time.time()
+            action, logprob, value, key = get_action_and_value(params, next_obs, key)
+            action, logprob, value = jax.device_get((action, logprob, value))
+            env_step_start = time.time()
+            inference_time += env_step_start - inference_start
+            step_obs, reward, terminated, truncated, info = envs.step(action)
+            storage_start = time.time()
+            env_step_time += storage_start - env_step_start
+            obs[step], actions[step], logprobs[step], values[step] = next_obs, action, logprob, value
+            rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+            valid[step] = ~previous_episode_end
+            # Atari: info["reward"] is unclipped and info["terminated"] marks game over (not a lost life)
+            episode_returns += info.get("reward", reward)
+            episode_lengths += 1
+            game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
+            returned_episode_returns = np.where(game_over, episode_returns, returned_episode_returns)
+            returned_episode_lengths = np.where(game_over, episode_lengths, returned_episode_lengths)
+            episode_returns *= ~game_over
+            episode_lengths *= ~game_over
+            previous_episode_end = np.logical_or(terminated, truncated)
+            next_obs = step_obs
+            storage_time += time.time() - storage_start
+        inference_start = time.time()
+        bootstrap_value = np.asarray(get_value(params, next_obs))
+        inference_time += time.time() - inference_start
+        rollout_time = time.time() - rollout_start
+
+        storage = Rollout(obs, actions, logprobs, values, rewards, terminations, truncations, valid, bootstrap_value)
+        # one host-to-device transfer per rollout: each learner device gets its slice of the envs
+        sharded_storage = [
+            jax.device_put(jax.tree.map(partial(env_slice, start=i * envs_per_learner_device,
+                                                stop=(i + 1) * envs_per_learner_device), storage), device)
+            for i, device in enumerate(learner_devices)
+        ]
+        stats = {
+            "params_queue_get_time": params_queue_get_time,
+            "rollout_time": rollout_time,
+            "inference_time": inference_time,
+            "env_step_time": env_step_time,
+            "storage_time": storage_time,
+            "rollout_queue_put_time": rollout_queue_put_time,  # of the previous rollout
+            "returned_episode_returns": returned_episode_returns.copy(),
+            "returned_episode_lengths": returned_episode_lengths.copy(),
+        }
+        rollout_queue_put_start = time.time()
+        queue_put(rollout_queue, (sharded_storage, actor_policy_version, stats), stop_event, args.queue_timeout)
+        rollout_queue_put_time = time.time() - rollout_queue_put_start
+
+
+def actor_thread_main(target, errors: list, stop_event: threading.Event, *target_args):
+    """Run an actor; any failure is recorded and stops the whole run."""
+    try:
+        target(*target_args)
+    except RunStopped:
+        pass
+    except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
+        errors.append(error)
+        stop_event.set()
+
+
+def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
+    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
+
+    A Python loop over epochs and minibatches drives one jitted minibatch step. On CPU, XLA turns a
+    conv weight-gradient inside `lax.scan` into a very slow loop, and unrolling the scan costs
+    minutes of compile; one compiled step called num_minibatches x update_epochs times costs neither.
+    """
+    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    rollout_specs = Rollout(*([sharded_envs] * 8), sharded_steps)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(rollout_specs,), out_specs=(sharded_steps,) * 7)
+    def prepare_batch(storage: Rollout):
+        """Per device: advantages and returns, then flatten (T, envs) into samples."""
+        advantages, returns = compute_gae(storage.rewards, storage.values, storage.bootstrap_value,
+                                          storage.terminations, storage.truncations, args.gamma, args.gae_lambda)
+        flat = lambda x: x.reshape((-1, *x.shape[2:]))
+        return tuple(map(flat, (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns,
+                                storage.valid)))
+
+    def loss_fn(params, obs, actions, old_logprobs, old_values, advantages, returns, valid):
+        logits, new_values = agent.apply(params, obs)
+        new_logprobs, entropy = categorical_logprob_entropy(logits, actions)
+        if args.norm_adv:
+            count = jnp.maximum(valid.sum(), 1)
+            mean = jnp.where(valid, advantages, 0).sum() / count
+            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
+            advantages = (advantages - mean) / (std + 1e-8)
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+            new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
+            normalizer, args.clip_coef, args.clip_vloss)
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+
+    @partial(jax.jit, donate_argnums=(0,))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, (sharded_steps,) * 7, sharded_steps, replicated),
+             out_specs=(replicated, replicated))
+    def minibatch_update(agent_state: TrainState, batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = [jnp.take(x, indices, axis=0) for x in batch]
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent_state.params, *minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps)
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    def update(agent_state: TrainState, storage: Rollout, key):
+        batch = prepare_batch(storage)
+        metrics = []
+        for _ in range(args.update_epochs):
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            for minibatch_index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation,
+                                                                  jnp.int32(minibatch_index))
+                metrics.append(minibatch_metrics)
+        metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+        return agent_state, metrics, key
+
+    return update
+
+
+def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: int) -> Rollout:
+    """Concatenate the actor threads' slices on each local learner device, then view them as one
+    global array over the learner devices of all processes (env axis sharded, device-major)."""
+    per_device = [  # per_thread_storages[thread][device] -> one Rollout per local learner device
+        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=env_axis(xs[0])), *storages)
+        for storages in zip(*per_thread_storages)
+    ]
+
+    def to_global(*shards):
+        spec = P("batch") if env_axis(shards[0]) == 0 else P(None, "batch")
+        shape = list(shards[0].shape)
+        shape[env_axis(shards[0])] = global_envs
+        return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), list(shards))
+
+    return jax.tree.map(to_global, *per_device)
+
+
+def main(args: Args, make_env_fn=make_env):
+    validate_args(args)
+    ensure_host_devices(args)
+    if args.distributed:
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    args.world_size, args.local_rank = jax.process_count(), jax.process_index()
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if max(getattr(args, name)) >= len(local_devices):
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} out of range: this process has "
+                 f"{len(local_devices)} {local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
+    args.local_batch_size = (args.local_num_envs * args.num_steps * args.num_actor_threads
+                             * len(args.actor_device_ids))
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_timesteps // args.batch_size
+    if args.num_updates < 1:
+        fail(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
+             "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
+    actor_devices = [local_devices[i] for i in args.actor_device_ids]
+    learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    global_learner_devices = [
+        device for process in range(args.world_size) for i, device in enumerate(
+            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
+        if i in args.learner_device_ids
+    ]
+    args.global_learner_device_ids = [device.id for device in global_learner_devices]
+    mesh = Mesh(np.array(global_learner_devices), ("batch",))
+
+    if args.run_name is None:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    is_main_process = args.local_rank == 0
+    writer = None
+    if is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=args.run_name, save_code=True)
+        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track)
+        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
+                        + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+
+    # seeding: python/numpy for anything incidental, a learner key shared by all processes
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    key = jax.random.key(args.seed)
+    key, agent_key = jax.random.split(key)
+    learner_key = jax.random.fold_in(key, 1)
+
+    make_envs = lambda seed: make_env_fn(args.env_id, seed, args.local_num_envs)()
+    probe_envs = make_envs(args.seed)
+    obs_space, action_space = probe_envs.observation_space, probe_envs.action_space
+    probe_envs.close()
+    del probe_envs
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    replicated_sharding = NamedSharding(mesh, P())
+    agent_state = TrainState.create(
+        apply_fn=None,
+        params=agent.init(agent_key, np.zeros((1, *obs_space.shape), obs_space.dtype)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+        ),
+    )
+    agent_state = jax.device_put(agent_state, replicated_sharding)
+    update = make_learner_fns(args, agent, mesh)
+
+    @jax.jit
+    def get_action_and_value(params, obs, key):
+        logits, value = agent.apply(params, obs)
+        key, subkey = jax.random.split(key)
+        action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
+        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        return action, logprob, value, key
+
+    @jax.jit
+    def get_value(params, obs):
+        return agent.apply(params, obs)[1]
+
+    def params_for(device):
+        # a copy of our shard of the replicated (possibly multi-process) params on the actor device; a copy
+        # even when actor and learner share a device, since the learner donates its buffers to the update
+        return jax.device_put(jax.tree.map(lambda x: x.addressable_shards[0].data, agent_state.params), device,
+                              may_alias=False)
+
+    stop_event = threading.Event()
+    actor_errors: list = []
+    params_queues, rollout_queues, actor_threads = [], [], []
+    for device_index, actor_device in enumerate(actor_devices):
+        for thread_id in range(args.num_actor_threads):
+            thread_index = device_index * args.num_actor_threads + thread_id
+            params_queues.append(queue.Queue(maxsize=1))
+            rollout_queues.append(queue.Queue(maxsize=1))
+            params_queues[-1].put((params_for(actor_device), 0))
+            thread = threading.Thread(
+                target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
+                args=(rollout, actor_errors, stop_event, args, thread_index, make_envs, actor_device,
+                      learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action_and_value,
+                      get_value),
+            )
+            thread.start()
+            actor_threads.append(thread)
+
+    def check_actors():
+        if actor_errors:
+            raise RuntimeError(f"an actor thread failed: {actor_errors[0]!r}") from actor_errors[0]
+
+    learner_policy_version = 0
+    global_step = 0
+    start_time = time.time()
+    try:
+        for update_index in range(1, args.num_updates + 1):
+            rollout_queue_get_start = time.time()
+            per_thread_storages, actor_versions, actor_stats = [], [], []
+            for rollout_queue in rollout_queues:
+                try:
+                    storages, actor_policy_version, stats = queue_get(rollout_queue, stop_event, args.queue_timeout)
+                except RunStopped:
+                    check_actors()
+                    raise
+                per_thread_storages.append(storages)
+                actor_versions.append(actor_policy_version)
+                actor_stats.append(stats)
+            assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
+            rollout_queue_get_time = time.time() - rollout_queue_get_start
+            global_step += args.batch_size
+
+            training_start = time.time()
+            storage = assemble_global_rollout(per_thread_storages, mesh, args.batch_size // args.num_steps)
+            agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
+            learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
+            metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
+            training_time = time.time() - training_start
+            trained_policy_version = learner_policy_version  # the version the gradient was taken at
+            learner_policy_version += 1
+            check_actors()
+            if update_index < args.num_updates:
+                for params_queue, actor_device in zip(params_queues, [d for d in actor_devices for _ in range(args.num_actor_threads)]):
+                    queue_put(params_queue, (params_for(actor_device), learner_policy_version), stop_event,
+                              args.queue_timeout)
+
+            returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
+            lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
+            sps = int(global_step / (time.time() - start_time))
+            scalars = {
+                "charts/SPS": sps,
+                "charts/learning_rate": learning_rate,
+                "losses/loss": metrics[0],
+                "losses/policy_loss": metrics[1],
+                "losses/value_loss": metrics[2],
+                "losses/entropy": metrics[3],
+                "losses/approx_kl": metrics[4],
+                "stats/actor_policy_version": actor_versions[0],
+                "stats/learner_policy_version": trained_policy_version,
+                "stats/rollout_queue_get_time": rollout_queue_get_time,
+                "stats/training_time": training_time,
+            }
+            for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
+                         "rollout_queue_put_time"]:
+                scalars[f"stats/{name}"] = np.mean([s[name] for s in actor_stats])
+            if not np.all(np.isnan(returns)):
+                scalars["charts/avg_episodic_return"] = np.nanmean(returns)
+                scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
+            if writer is not None:
+                writer.add_scalars(scalars, global_step)
+            if update_index % args.log_frequency == 0 or update_index == args.num_updates:
+                eta = (args.num_updates - update_index) * (time.time() - start_time) / update_index
+                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} "
+                      f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
+                      f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
+                      f"ETA={eta:.0f}s", flush=True)
+    finally:
+        stop_event.set()
+        for thread in actor_threads:
+            thread.join(timeout=10)
+        if writer is not None:
+            writer.close()
+
+    if args.save_model and is_main_process:
+        model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
+        with open(model_path, "wb") as f:
+            f.write(flax.serialization.msgpack_serialize({
+                "args": json.dumps(asdict(args)),
+                "params": flax.serialization.to_state_dict(jax.device_get(agent_state.params)),
+            }))
+        print(f"model saved to {model_path}")
+    if args.track and is_main_process:
+        import wandb
+
+        wandb.finish()
+    if args.distributed:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
