@@ -279,6 +279,10 @@ class MLP(nn.Module):
 
 
 class Agent(nn.Module):
+    """Policy logits and value. Atari shares the IMPALA torso between both heads (Espeholt et al. 2018);
+    vector observations get separate actor and critic MLPs, as in CleanRL's classic-control PPO: with a
+    shared small MLP, large value gradients (returns of ~100s) drown the policy gradient."""
+
     action_dim: int
     channels: Sequence[int]
     hiddens: Sequence[int]
@@ -286,10 +290,13 @@ class Agent(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        hidden = ImpalaCNN(self.channels, self.hiddens)(obs) if self.image_obs else MLP(self.hiddens)(obs)
+        if self.image_obs:
+            actor_hidden = critic_hidden = ImpalaCNN(self.channels, self.hiddens)(obs)
+        else:
+            actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(hidden)
-        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(hidden)
+        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return logits, value.squeeze(-1)
 
 
@@ -413,15 +420,17 @@ def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float)
                 raise RunStopped
 
 
-def actor_seeds(seed: int, process_index: int, thread_index: int):
-    """Distinct, reproducible env seed and PRNG seed for every (process, actor thread)."""
-    env_seed, key_seed = np.random.SeedSequence([seed, process_index, thread_index]).generate_state(2)
-    return int(env_seed % (2**31 - 2**20)), int(key_seed)
+def actor_env_seed(seed: int, global_thread_index: int, local_num_envs: int) -> int:
+    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
+    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs)."""
+    base = int(np.random.SeedSequence(seed).generate_state(1)[0]) % 2**30
+    return base + global_thread_index * local_num_envs
 
 
 def rollout(
     args: Args,
     thread_index: int,
+    key: jax.Array,
     make_envs,
     actor_device: jax.Device,
     learner_devices: list[jax.Device],
@@ -432,9 +441,9 @@ def rollout(
     get_value,
 ):
     """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
-    env_seed, key_seed = actor_seeds(args.seed, args.local_rank, thread_index)
-    envs = make_envs(env_seed)
-    key = jax.device_put(jax.random.key(key_seed), actor_device)
+    global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
+    envs = make_envs(actor_env_seed(args.seed, global_thread_index, args.local_num_envs))
+    key = jax.device_put(jax.random.fold_in(key, global_thread_index), actor_device)
     num_envs, num_steps = args.local_num_envs, args.num_steps
     obs_space = envs.observation_space
     next_obs, _ = envs.reset()
@@ -481,7 +490,7 @@ def rollout(
             valid[step] = ~previous_episode_end
             # Atari: info["reward"] is unclipped and info["terminated"] marks game over (not a lost life)
             episode_returns += info.get("reward", reward)
-            episode_lengths += 1
+            episode_lengths += valid[step]  # envpool's reset step is not a step of the game
             game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
             returned_episode_returns = np.where(game_over, episode_returns, returned_episode_returns)
             returned_episode_lengths = np.where(game_over, episode_lengths, returned_episode_lengths)
@@ -618,7 +627,7 @@ def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: 
     return jax.tree.map(to_global, *per_device)
 
 
-def main(args: Args, make_env_fn=make_env):
+def main(args: Args):
     validate_args(args)
     ensure_host_devices(args)
     if args.distributed:
@@ -660,18 +669,15 @@ def main(args: Args, make_env_fn=make_env):
         writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
                         + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
 
-    # seeding: python/numpy for anything incidental, a learner key shared by all processes
+    # seeding: the agent and learner keys are the same in all processes; each actor thread folds its
+    # global index into actor_key, so no two threads (or processes) sample with the same key
     random.seed(args.seed)
     np.random.seed(args.seed)
-    key = jax.random.key(args.seed)
-    key, agent_key = jax.random.split(key)
-    learner_key = jax.random.fold_in(key, 1)
+    agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
 
-    make_envs = lambda seed: make_env_fn(args.env_id, seed, args.local_num_envs)()
-    probe_envs = make_envs(args.seed)
-    obs_space, action_space = probe_envs.observation_space, probe_envs.action_space
-    probe_envs.close()
-    del probe_envs
+    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)()
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
     agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
 
     def linear_schedule(count):
@@ -721,7 +727,7 @@ def main(args: Args, make_env_fn=make_env):
             params_queues[-1].put((params_for(actor_device), 0))
             thread = threading.Thread(
                 target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
-                args=(rollout, actor_errors, stop_event, args, thread_index, make_envs, actor_device,
+                args=(rollout, actor_errors, stop_event, args, thread_index, actor_key, make_envs, actor_device,
                       learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action_and_value,
                       get_value),
             )

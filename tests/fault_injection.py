@@ -1,0 +1,59 @@
+"""Run a cleanba script with a fault injected, as a user's run would meet it.
+
+usage: python tests/fault_injection.py SCRIPT {env|learner} N [script flags...]
+  env N:     every actor's environment raises after N steps
+  learner N: the learner raises at its N-th update
+"""
+
+import sys
+
+import tyro
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from conftest import load_script  # noqa: E402
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def main():
+    script_path, fault, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    sys.argv = [script_path, *sys.argv[4:]]
+    from pathlib import Path
+
+    script = load_script(Path(script_path))
+    if fault == "env":
+        make_env = script.make_env
+
+        def failing_make_env(*args, **kwargs):
+            envs = make_env(*args, **kwargs)()
+            step, steps_taken = envs.step, [0]
+
+            def failing_step(action):
+                steps_taken[0] += 1
+                if steps_taken[0] > n:
+                    raise InjectedFault(f"injected env failure after {n} steps")
+                return step(action)
+
+            envs.step = failing_step
+            return lambda: envs
+
+        script.make_env = failing_make_env
+    elif fault == "learner":
+        assemble, updates = script.assemble_global_rollout, [0]
+
+        def failing_assemble(*args, **kwargs):
+            updates[0] += 1
+            if updates[0] >= n:
+                raise InjectedFault(f"injected learner failure at update {n}")
+            return assemble(*args, **kwargs)
+
+        script.assemble_global_rollout = failing_assemble
+    else:
+        raise SystemExit(f"unknown fault {fault!r}")
+    script.main(tyro.cli(script.Args))
+
+
+if __name__ == "__main__":
+    main()

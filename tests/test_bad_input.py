@@ -1,0 +1,37 @@
+"""Bad input: a one-line error naming the flag and what is allowed, exit code 2, before any heavy work."""
+
+import pytest
+
+from conftest import run_script
+
+CASES = {
+    "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
+    "negative steps": (["--num-steps", "-5"], "--num-steps must be a positive integer"),
+    "zero threads": (["--num-actor-threads", "0"], "--num-actor-threads must be a positive integer"),
+    "minibatches do not divide": (["--local-num-envs", "3", "--num-steps", "5", "--num-minibatches", "4"],
+                                  "--num-minibatches (4) must divide"),
+    "envs do not split over learners": (["--local-num-envs", "3", "--learner-device-ids", "0", "1"],
+                                        "--local-num-envs (3) must be divisible by the number of --learner-device-ids"),
+    "negative device id": (["--actor-device-ids", "-1"], "--actor-device-ids must be non-negative"),
+    "duplicate device ids": (["--learner-device-ids", "1", "1"], "--learner-device-ids has duplicate device ids"),
+    "device id out of range": (["--learner-device-ids", "0", "3"], "--learner-device-ids [0, 3] out of range"),
+    "unknown env": (["--env-id", "Breakout-v99"], "--env-id 'Breakout-v99' is not supported"),
+    "continuous env": (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),
+    "fewer steps than a batch": (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch"),
+    "zero learning rate": (["--learning-rate", "0"], "--learning-rate must be positive"),
+    "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
+    "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
+    "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
+                                 "--process-id", "2"], "--process-id must be in [0, 2)"),
+}
+
+
+@pytest.mark.parametrize("flags,message", CASES.values(), ids=CASES.keys())
+def test_bad_input_is_one_clear_line(workdir, flags, message):
+    # two host devices exist (set by the user), so id 3 is out of range
+    run = run_script(flags, workdir, timeout=60, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], run.stderr
+    assert "Traceback" not in run.stderr
+    assert not (workdir / "runs").exists()  # nothing was started

@@ -1,0 +1,65 @@
+"""A run never hangs: failures anywhere end it quickly, non-zero, with the original traceback."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import PPO_SCRIPT, REPO, SUBPROCESS_WARNINGS, TINY_BREAKOUT, run_script
+
+FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
+CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
+
+
+def test_actor_failure_ends_the_run_within_30_seconds(workdir):
+    # 2 actor threads; their envs fail after 40 steps (in the third rollout): the learner is waiting on the queue
+    start = time.time()
+    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "env", "40", *CARTPOLE,
+                          "--num-actor-threads", "2", "--total-timesteps", "100000000", "--run-name", "t"],
+                         cwd=workdir, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    elapsed = time.time() - start
+    assert run.returncode != 0
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    # the original traceback, down to the failing line, not just a summary
+    assert "injected env failure after 40 steps" in run.stderr
+    assert 'raise InjectedFault(f"injected env failure' in run.stderr
+    assert "an actor thread failed" in run.stderr
+
+
+def test_learner_failure_ends_the_run_and_its_actors(workdir):
+    start = time.time()
+    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "learner", "3", *TINY_BREAKOUT,
+                          "--num-actor-threads", "2", "--learner-device-ids", "1", "--total-timesteps", "100000000",
+                          "--run-name", "t"], cwd=workdir, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    assert run.returncode != 0
+    assert time.time() - start < 60
+    assert "injected learner failure at update 3" in run.stderr
+
+
+def test_ctrl_c_exits_promptly(workdir):
+    process = subprocess.Popen([sys.executable, str(PPO_SCRIPT), *CARTPOLE, "--num-actor-threads", "2",
+                                "--total-timesteps", "100000000", "--log-frequency", "1", "--run-name", "t"],
+                               cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    try:
+        for line in process.stdout:  # wait until training is under way
+            if line.startswith("update=3/"):
+                break
+        interrupted = time.time()
+        process.send_signal(signal.SIGINT)
+        returncode = process.wait(timeout=30)
+        assert returncode != 0
+        assert time.time() - interrupted < 15, f"took {time.time() - interrupted:.1f}s after Ctrl-C"
+    finally:
+        process.kill()
+        process.communicate()
+
+
+def test_run_exits_by_itself_with_every_thread_stopped(workdir):
+    # with 3 actor threads and concurrency, the last params the learner sends are never consumed
+    run = run_script([*CARTPOLE, "--num-actor-threads", "3", "--total-timesteps", "960"], workdir, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "update=5/5" in run.stdout

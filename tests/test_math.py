@@ -1,0 +1,118 @@
+"""The math of the PPO script against independent references."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_script
+
+ppo = load_script()
+
+
+def gae_by_forward_sums(rewards, values, bootstrap_value, terminations, truncations, gamma, lam):
+    """A_t = sum_k (gamma lam)^k delta_{t+k}, summed forward until an episode end or the rollout end."""
+    T, N = rewards.shape
+    advantages = np.zeros((T, N))
+    for n in range(N):
+        for t in range(T):
+            total, weight = 0.0, 1.0
+            for k in range(t, T):
+                next_value = bootstrap_value[n] if k == T - 1 else values[k + 1, n]
+                if terminations[k, n]:
+                    next_value = 0.0  # a terminal state is worth nothing
+                delta = rewards[k, n] + gamma * next_value - values[k, n]
+                total += weight * delta
+                weight *= gamma * lam
+                if terminations[k, n] or truncations[k, n]:
+                    break
+            advantages[t, n] = total
+    return advantages
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_matches_forward_sums_with_terminations_and_truncations(seed):
+    rng = np.random.default_rng(seed)
+    T, N = 17, 5
+    rewards = rng.normal(size=(T, N)).astype(np.float32)
+    values = rng.normal(size=(T, N)).astype(np.float32)
+    bootstrap_value = rng.normal(size=N).astype(np.float32)
+    terminations = (rng.random((T, N)) < 0.15).astype(np.float32)
+    truncations = ((rng.random((T, N)) < 0.15) & (terminations == 0)).astype(np.float32)
+    truncations[-1, 0] = 1.0  # a truncation on the last step bootstraps from bootstrap_value
+    terminations[-1, 1], truncations[-1, 1] = 1.0, 0.0
+    advantages, returns = ppo.compute_gae(rewards, values, bootstrap_value, terminations, truncations, 0.97, 0.9)
+    expected = gae_by_forward_sums(rewards, values, bootstrap_value, terminations, truncations, 0.97, 0.9)
+    np.testing.assert_allclose(advantages, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(returns, expected + values, rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_bootstraps_from_the_truncated_state_and_termination_does_not():
+    # one env, 3 steps; step 0 ends by time limit, step 1 is envpool's reset step, step 2 terminates
+    rewards = np.array([[1.0], [0.0], [2.0]], np.float32)
+    values = np.array([[0.5], [10.0], [3.0]], np.float32)  # values[1] = V(truncated last observation)
+    terminations = np.array([[0.0], [0.0], [1.0]], np.float32)
+    truncations = np.array([[1.0], [0.0], [0.0]], np.float32)
+    advantages, _ = ppo.compute_gae(rewards, values, np.array([7.0], np.float32), terminations, truncations, 0.9, 0.8)
+    assert advantages[0, 0] == pytest.approx(1.0 + 0.9 * 10.0 - 0.5)  # bootstrap, but no trace past the end
+    assert advantages[2, 0] == pytest.approx(2.0 - 3.0)  # terminal: no bootstrap from 7.0
+
+
+def test_ppo_loss_terms_on_a_hand_checked_batch():
+    # three samples; the third is envpool's reset step and must not count
+    old_logprobs = jnp.log(jnp.array([0.5, 0.5, 0.5]))
+    new_logprobs = jnp.log(jnp.array([0.6, 0.3, 0.9]))  # ratios 1.2, 0.6, 1.8
+    advantages = jnp.array([1.0, -2.0, 5.0])
+    new_values, old_values, returns = jnp.array([1.5, 0.0, 0.0]), jnp.array([1.0, 0.0, 0.0]), jnp.array([2.0, 1.0, 9.0])
+    entropy = jnp.array([0.7, 0.5, 100.0])
+    valid = jnp.array([True, True, False])
+    pg, v, ent, kl = ppo.ppo_loss_terms(new_logprobs, entropy, new_values, old_logprobs, old_values, advantages,
+                                        returns, valid, normalizer=2.0, clip_coef=0.1, clip_vloss=True)
+    # sample 0: A=1, r=1.2 -> max(-1.2, -1.1) = -1.1; sample 1: A=-2, r=0.6 -> max(1.2, 1.8) = 1.8
+    assert float(pg) == pytest.approx((-1.1 + 1.8) / 2, rel=1e-5)
+    # sample 0: unclipped 0.5*(1.5-2)^2 = 0.125, clipped value 1.1 -> 0.5*0.81 = 0.405; sample 1: 0.5*1 both
+    assert float(v) == pytest.approx((0.405 + 0.5) / 2, rel=1e-5)
+    assert float(ent) == pytest.approx((0.7 + 0.5) / 2, rel=1e-6)
+    kl_terms = [(1.2 - 1) - np.log(1.2), (0.6 - 1) - np.log(0.6)]
+    assert float(kl) == pytest.approx(sum(kl_terms) / 2, rel=1e-5)
+    _, v_unclipped, _, _ = ppo.ppo_loss_terms(new_logprobs, entropy, new_values, old_logprobs, old_values,
+                                              advantages, returns, valid, 2.0, 0.1, clip_vloss=False)
+    assert float(v_unclipped) == pytest.approx((0.125 + 0.5) / 2, rel=1e-5)
+
+
+def test_categorical_logprob_and_entropy_match_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 4)).astype(np.float32)
+    actions = rng.integers(0, 4, size=6)
+    logprob, entropy = ppo.categorical_logprob_entropy(jnp.asarray(logits), jnp.asarray(actions))
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    np.testing.assert_allclose(logprob, np.log(probs[np.arange(6), actions]), rtol=1e-5)
+    np.testing.assert_allclose(entropy, -(probs * np.log(probs)).sum(-1), rtol=1e-5)
+
+
+def test_env_seed_ranges_are_disjoint_across_processes_and_threads_and_seeds():
+    local_num_envs, threads = 64, 4 * 8  # 4 processes with 8 actor threads each
+    for seed in [1, 2]:
+        starts = [ppo.actor_env_seed(seed, g, local_num_envs) for g in range(threads)]
+        assert starts == [ppo.actor_env_seed(seed, g, local_num_envs) for g in range(threads)]  # reproducible
+        ranges = sorted((s, s + local_num_envs) for s in starts)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
+        assert ranges[-1][1] < 2**31  # envpool takes an int32 seed
+    run1 = {ppo.actor_env_seed(1, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    run2 = {ppo.actor_env_seed(2, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    assert not run1 & run2  # seeds 1 and 2 share no environment
+
+
+def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
+    args = ppo.Args(actor_device_ids=[0], learner_device_ids=[1, 2])
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
+    ppo.ensure_host_devices(args)
+    assert ppo.os.environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=3"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    ppo.ensure_host_devices(args)  # the user's own count wins
+    assert ppo.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    monkeypatch.delenv("XLA_FLAGS")
+    ppo.ensure_host_devices(ppo.Args(actor_device_ids=[0], learner_device_ids=[0]))
+    assert "XLA_FLAGS" not in ppo.os.environ

@@ -1,0 +1,77 @@
+"""Smoke runs of the PPO script on Breakout-v5 with a tiny network, in the device layouts users run."""
+
+import json
+
+import flax
+import numpy as np
+import pytest
+
+from conftest import TINY_BREAKOUT, run_script
+
+TAGS = [
+    "charts/SPS", "charts/avg_episodic_return", "charts/avg_episodic_length", "charts/learning_rate",
+    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/loss",
+    "stats/params_queue_get_time", "stats/rollout_time", "stats/inference_time", "stats/env_step_time",
+    "stats/storage_time", "stats/rollout_queue_put_time", "stats/rollout_queue_get_time", "stats/training_time",
+    "stats/actor_policy_version", "stats/learner_policy_version",
+]
+
+
+def versions(scalars):
+    actor = [v for _, v in scalars["stats/actor_policy_version"]]
+    learner = [v for _, v in scalars["stats/learner_policy_version"]]
+    return actor, learner
+
+
+@pytest.mark.parametrize("layout", [(["0"], ["0"]), (["0"], ["1"]), (["0"], ["1", "2"])], ids=["a0-l0", "a0-l1", "a0-l1,2"])
+def test_layouts_log_every_tag_and_act_one_version_behind(workdir, layout):
+    actor_ids, learner_ids = layout
+    # 4 envs x 8 steps x 2 threads = 64 steps per update; 6 updates; long enough episodes end in Breakout
+    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "2", "--actor-device-ids", *actor_ids,
+                      "--learner-device-ids", *learner_ids, "--total-timesteps", "384"], workdir)
+    assert run.returncode == 0, run.stderr
+    scalars = run.scalars()
+    missing = [tag for tag in TAGS if tag not in scalars and tag != "charts/avg_episodic_return"
+               and tag != "charts/avg_episodic_length"]
+    assert not missing, f"missing tags {missing}"
+    steps = [step for step, _ in scalars["charts/SPS"]]
+    assert steps == [64 * i for i in range(1, 7)]
+    actor, learner = versions(scalars)
+    assert learner == [0, 1, 2, 3, 4, 5]
+    assert actor == [0, 0, 1, 2, 3, 4]  # the first rollout, then exactly one version behind
+    for name in ["rollout_time", "inference_time", "env_step_time", "training_time"]:
+        assert all(v > 0 for _, v in scalars[f"stats/{name}"]), name
+    losses = [v for _, v in scalars["losses/loss"]]
+    assert np.all(np.isfinite(losses)) and len(set(losses)) > 1
+    assert "update=6/6" in run.stdout and "actor_policy_version=4 learner_policy_version=5" in run.stdout
+
+
+def test_no_concurrency_acts_with_the_latest_policy(workdir):
+    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "2", "--learner-device-ids", "1", "--no-concurrency",
+                      "--total-timesteps", "320"], workdir)
+    assert run.returncode == 0, run.stderr
+    actor, learner = versions(run.scalars())
+    assert actor == learner == [0, 1, 2, 3, 4]
+
+
+def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
+    # CartPole episodes are short, so the returns are checked against their definition: return == length
+    run = run_script(["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "64", "--num-actor-threads",
+                      "1", "--total-timesteps", "1024", "--hiddens", "8"], workdir)
+    assert run.returncode == 0, run.stderr
+    scalars = run.scalars()
+    returns = [v for _, v in scalars["charts/avg_episodic_return"]]
+    lengths = [v for _, v in scalars["charts/avg_episodic_length"]]
+    assert returns == pytest.approx(lengths) and min(returns) >= 8
+
+
+def test_save_model_and_track_offline(workdir):
+    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "1", "--total-timesteps", "64", "--save-model", "--track",
+                      "--exp-name", "tiny"], workdir)
+    assert run.returncode == 0, run.stderr
+    model = flax.serialization.msgpack_restore((run.run_dir / "tiny.cleanrl_model").read_bytes())
+    saved_args = json.loads(model["args"])
+    assert saved_args["channels"] == [4] and saved_args["env_id"] == "Breakout-v5"
+    kernels = [np.asarray(leaf) for leaf in flax.traverse_util.flatten_dict(model["params"]).values()]
+    assert sum(k.size for k in kernels) > 0 and all(np.all(np.isfinite(k)) for k in kernels)
+    assert list((workdir / "wandb").glob("offline-run-*")), "no offline W&B run written"
