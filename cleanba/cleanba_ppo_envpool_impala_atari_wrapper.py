@@ -458,8 +458,6 @@ def rollout(
     rollout_queue_put_time = 0.0
 
     for update in range(1, args.num_updates + 1):
-        if stop_event.is_set():
-            raise RunStopped
         params_queue_get_start = time.time()
         # the skipped get at update 2 makes the actor exactly one policy version behind the learner
         if update != 2 or not args.concurrency:
@@ -477,6 +475,8 @@ def rollout(
         truncations = np.empty((num_steps, num_envs), dtype=np.float32)
         valid = np.empty((num_steps, num_envs), dtype=bool)
         for step in range(num_steps):
+            if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
+                raise RunStopped
             inference_start = time.time()
             action, logprob, value, key = get_action_and_value(params, next_obs, key)
             action, logprob, value = jax.device_get((action, logprob, value))
@@ -582,7 +582,10 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     def minibatch_update(agent_state: TrainState, batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
         minibatch = [jnp.take(x, indices, axis=0) for x in batch]
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent_state.params, *minibatch)
+        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, *minibatch)
         grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
         agent_state = agent_state.apply_gradients(grads=grads)
         return agent_state, (loss, *metrics)

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# in-process tests (the learner on a mesh) need several host devices: set before JAX starts a backend
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+
 REPO = Path(__file__).resolve().parent.parent
 PPO_SCRIPT = REPO / "cleanba" / "cleanba_ppo_envpool_impala_atari_wrapper.py"
 # JAX deprecations are errors in every run the tests start (the product must use today's JAX API)

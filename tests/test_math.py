@@ -116,3 +116,45 @@ def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS")
     ppo.ensure_host_devices(ppo.Args(actor_device_ids=[0], learner_device_ids=[0]))
     assert "XLA_FLAGS" not in ppo.os.environ
+
+
+def test_learner_update_is_the_same_on_one_and_on_two_devices():
+    """Data parallelism must not change the math: the same global batch, one minibatch, gives the same params."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from flax.training.train_state import TrainState
+    import optax
+
+    assert len(jax.devices()) >= 2, "conftest arranges 4 host devices"
+    T, N, obs_dim = 8, 4, 3
+    rng = np.random.default_rng(0)
+    storage = ppo.Rollout(
+        obs=rng.normal(size=(T, N, obs_dim)).astype(np.float32),
+        actions=rng.integers(0, 2, size=(T, N)).astype(np.int32),
+        logprobs=np.full((T, N), np.log(0.5), np.float32),
+        values=rng.normal(size=(T, N)).astype(np.float32),
+        rewards=rng.normal(size=(T, N)).astype(np.float32),
+        terminations=(rng.random((T, N)) < 0.2).astype(np.float32),
+        truncations=np.zeros((T, N), np.float32),
+        valid=rng.random((T, N)) < 0.9,
+        bootstrap_value=rng.normal(size=N).astype(np.float32),
+    )
+    agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
+    params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
+    results = []
+    for num_devices in [1, 2]:
+        args = ppo.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
+                        learner_device_ids=list(range(num_devices)), num_minibatches=1, update_epochs=1,
+                        norm_adv=False)
+        mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+        state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+        state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
+        global_storage = ppo.Rollout(*[
+            jax.device_put(x, NamedSharding(mesh, P("batch") if x.ndim == 1 else P(None, "batch"))) for x in storage])
+        update = ppo.make_learner_fns(args, agent, mesh)
+        state, metrics, _ = update(state, global_storage, jax.random.key(1))
+        results.append((jax.device_get(state.params), jax.device_get(metrics)))
+    (params_one, metrics_one), (params_two, metrics_two) = results
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_one, params_two)
+    np.testing.assert_allclose(metrics_one, metrics_two, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(jax.tree.leaves(params_one)[0], jax.tree.leaves(params)[0])  # it did update
