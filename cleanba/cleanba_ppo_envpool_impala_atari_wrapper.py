@@ -698,7 +698,8 @@ def main(args: Args):
                 learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
         ),
     )
-    agent_state = jax.device_put(agent_state, replicated_sharding)
+    # from host values, identical in every process, to one replicated global array per leaf
+    agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
     update = make_learner_fns(args, agent, mesh)
 
     @jax.jit
