@@ -13,6 +13,7 @@ data-parallel over the learner devices of every process (`jax.jit` + `shard_map`
 gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 """
 
+import hashlib
 import json
 import os
 import queue
@@ -20,6 +21,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 import warnings
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -118,6 +120,8 @@ class Args:
     """with --distributed outside SLURM: the number of processes"""
     process_id: int | None = None
     """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    heartbeat_timeout: int = 30
+    """with --distributed: seconds without a heartbeat after which a process counts as dead"""
     queue_timeout: float = 1.0
     """seconds between checks for a stopped run while waiting on a queue"""
 
@@ -148,7 +152,7 @@ def validate_args(args: Args):
                  "total_timesteps", "log_frequency"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for name in ["learning_rate", "queue_timeout"]:
+    for name in ["learning_rate", "queue_timeout", "heartbeat_timeout"]:
         if not getattr(args, name) > 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ["gamma", "gae_lambda"]:
@@ -634,7 +638,9 @@ def main(args: Args):
     validate_args(args)
     ensure_host_devices(args)
     if args.distributed:
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
     args.world_size, args.local_rank = jax.process_count(), jax.process_index()
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
@@ -802,10 +808,24 @@ def main(args: Args):
                 writer.add_scalars(scalars, global_step)
             if update_index % args.log_frequency == 0 or update_index == args.num_updates:
                 eta = (args.num_updates - update_index) * (time.time() - start_time) / update_index
-                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} "
+                process_sps = int(args.local_batch_size * update_index / (time.time() - start_time))
+                process_sps = f"process_SPS={process_sps} " if args.world_size > 1 else ""
+                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} {process_sps}"
                       f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
                       f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
                       f"ETA={eta:.0f}s", flush=True)
+    except BaseException:
+        if args.distributed:
+            # a peer process may be dead: jax.distributed's exit barrier would wait for it (minutes), so
+            # report, close what we wrote, and leave now; the others fail in their next collective
+            stop_event.set()
+            if writer is not None:
+                writer.close()
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
     finally:
         stop_event.set()
         for thread in actor_threads:
@@ -813,12 +833,16 @@ def main(args: Args):
         if writer is not None:
             writer.close()
 
+    final_params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), agent_state.params)
+    # every process prints this: equal digests show that all learner replicas hold the same params
+    params_digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in jax.tree.leaves(final_params))).hexdigest()
+    print(f"process {args.local_rank}: final params sha256={params_digest}", flush=True)
     if args.save_model and is_main_process:
         model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
         with open(model_path, "wb") as f:
             f.write(flax.serialization.msgpack_serialize({
                 "args": json.dumps(asdict(args)),
-                "params": flax.serialization.to_state_dict(jax.device_get(agent_state.params)),
+                "params": flax.serialization.to_state_dict(final_params),
             }))
         print(f"model saved to {model_path}")
     if args.track and is_main_process:

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -29,28 +30,60 @@ def load_script(path: Path = PPO_SCRIPT):
     return module
 
 
+def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a run's TensorBoard event files: tag -> [(step, value), ...]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+
 class Run:
     def __init__(self, completed: subprocess.CompletedProcess, seconds: float, cwd: Path, run_name: str):
         self.returncode, self.stdout, self.stderr = completed.returncode, completed.stdout, completed.stderr
         self.seconds, self.run_dir = seconds, cwd / "runs" / run_name
 
     def scalars(self) -> dict[str, list[tuple[int, float]]]:
-        """Every scalar in the run's TensorBoard event files: tag -> [(step, value), ...]."""
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        return read_scalars(self.run_dir)
 
-        accumulator = EventAccumulator(str(self.run_dir), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+
+def script_command(args: list[str], run_name: str, script: Path = PPO_SCRIPT) -> list[str]:
+    return [sys.executable, str(script), "--run-name", run_name, *args]
+
+
+def script_env(env: dict | None = None) -> dict:
+    """The environment a user's run gets: JAX deprecations as errors, W&B offline, the script's own
+    XLA_FLAGS (the tests' 4 host devices are not passed on, unless `env` sets XLA_FLAGS)."""
+    full_env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**full_env, "PYTHONWARNINGS": SUBPROCESS_WARNINGS, "WANDB_MODE": "offline", **(env or {})}
 
 
 def run_script(args: list[str], cwd: Path, run_name: str = "test", script: Path = PPO_SCRIPT, timeout: float = 300,
-               env: dict | None = None, python_args: list[str] | None = None) -> Run:
-    full_env = {**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS, "WANDB_MODE": "offline", **(env or {})}
-    full_env.pop("XLA_FLAGS", None) if env is None or "XLA_FLAGS" not in env else None
-    command = [sys.executable, *(python_args or []), str(script), "--run-name", run_name, *args]
+               env: dict | None = None) -> Run:
     start = time.time()
-    completed = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    completed = subprocess.run(script_command(args, run_name, script), cwd=cwd, env=script_env(env),
+                               capture_output=True, text=True, timeout=timeout)
     return Run(completed, time.time() - start, cwd, run_name)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_processes(args: list[str], cwd: Path, num_processes: int, run_name: str = "test",
+                    script: Path = PPO_SCRIPT) -> list[subprocess.Popen]:
+    """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        subprocess.Popen(script_command([*args, "--distributed", "--coordinator-address", coordinator,
+                                         "--num-processes", str(num_processes), "--process-id", str(i)],
+                                        run_name, script),
+                         cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(num_processes)
+    ]
 
 
 @pytest.fixture
