@@ -1,0 +1,1 @@
+"""What is not the algorithm: benchmark sweeps, evaluation, hub upload."""

@@ -1,0 +1,97 @@
+"""cleanrl_utils.benchmark: local sweeps that survive failed runs, and SLURM job arrays from cleanba.slurm_template."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from conftest import PPO_SCRIPT, REPO, script_env
+
+TINY_CARTPOLE = (f"{sys.executable} {PPO_SCRIPT} --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
+                 "--total-timesteps 128")
+
+
+def benchmark(flags: list[str], cwd, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cleanrl_utils.benchmark", *flags], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**script_env(env), "PYTHONPATH": str(REPO)})
+
+
+def test_local_sweep_runs_every_command_and_reports_failures(workdir):
+    result = benchmark(["--env-ids", "CartPole-v1", "NotAnEnv-v0", "--num-seeds", "2", "--workers", "2",
+                        "--command", TINY_CARTPOLE], workdir)
+    assert result.returncode == 1
+    for env_id in ["CartPole-v1", "NotAnEnv-v0"]:
+        for seed in [1, 2]:
+            assert f"running: {TINY_CARTPOLE} --env-id {env_id} --seed {seed}" in result.stdout
+            if env_id == "NotAnEnv-v0":
+                assert f"FAILED (exit code 2): {TINY_CARTPOLE} --env-id {env_id} --seed {seed}" in result.stderr
+    assert "2 of 4 runs succeeded" in result.stdout
+    runs = sorted(path.name.split("__")[0] + "__" + path.name.split("__")[2] for path in (workdir / "runs").iterdir())
+    assert runs == ["CartPole-v1__1", "CartPole-v1__2"]  # the good runs finished despite the failing ones
+
+
+def test_runs_are_tagged_with_the_git_commit(workdir):
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.strip()
+    show_tags = f"""{sys.executable} -c 'import os; print("TAGS=" + os.environ["WANDB_TAGS"])'"""
+    result = benchmark(["--env-ids", "CartPole-v1", "--num-seeds", "1", "--command", show_tags], REPO,
+                       env={"WANDB_TAGS": "mine"})
+    assert result.returncode == 0, result.stderr
+    assert f"TAGS=mine,{commit}" in result.stdout
+
+
+def render(workdir, extra_flags=()) -> tuple[subprocess.CompletedProcess, str]:
+    result = benchmark(["--env-ids", "CartPole-v1", "Breakout-v5", "--num-seeds", "2", "--start-seed", "3",
+                        "--workers", "3", "--command", "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
+                        "--distributed --learner-device-ids 1 2 3", "--slurm-template-path",
+                        str(REPO / "cleanba.slurm_template"), "--slurm-nodes", "2", "--slurm-ntasks", "4",
+                        "--slurm-gpus-per-task", "4", "--slurm-cpus-per-task", "12", "--slurm-log-dir",
+                        str(workdir / "slurm"), "--slurm-dry-run", *extra_flags], workdir)
+    scripts = list((workdir / "slurm").glob("*.slurm"))
+    return result, scripts[0].read_text() if scripts else ""
+
+
+def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
+    result, script = render(workdir)
+    assert result.returncode == 0, result.stderr
+    directives = dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(.*))?$", script, flags=re.MULTILINE))
+    assert directives == {
+        "job-name": "cleanba", "array": "0-3%3", "nodes": "2", "ntasks": "4", "gpus-per-task": "4",
+        "cpus-per-task": "12", "output": f"{workdir}/slurm/%x_%A_%a.out", "error": f"{workdir}/slurm/%x_%A_%a.err",
+        "requeue": "",
+    }
+    assert "/home" not in script and "~" not in script and "{{" not in script
+    script_path = workdir / "job.slurm"
+    script_path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
+    # run each array task with a stand-in srun: every task starts the right run through srun
+    fake_bin = workdir / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text('#!/bin/bash\necho "srun $*"\n')
+    (fake_bin / "srun").chmod(0o755)
+    expected = [("CartPole-v1", 3), ("Breakout-v5", 3), ("CartPole-v1", 4), ("Breakout-v5", 4)]
+    for task_id, (env_id, seed) in enumerate(expected):
+        task = subprocess.run(["bash", str(script_path)], capture_output=True, text=True,
+                              env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}",
+                                   "SLURM_ARRAY_TASK_ID": str(task_id)})
+        assert task.returncode == 0, task.stderr
+        assert task.stdout.splitlines()[-1] == ("srun python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
+                                                f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed}")
+    if shutil.which("sbatch"):  # a real Slurm installation also validates the directives
+        assert subprocess.run(["sbatch", "--test-only", str(script_path)], capture_output=True).returncode == 0
+
+
+def test_partition_and_account_come_only_from_flags(workdir):
+    result, script = render(workdir, ["--slurm-partition", "gpu", "--slurm-account", "rl-lab"])
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --partition=gpu\n" in script and "#SBATCH --account=rl-lab\n" in script
+
+
+def test_several_tasks_need_a_distributed_command(workdir):
+    result = benchmark(["--command", "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py",
+                        "--slurm-template-path", str(REPO / "cleanba.slurm_template"), "--slurm-ntasks", "2",
+                        "--slurm-dry-run"], workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: --slurm-ntasks > 1 starts several processes per run: "
+                                     "add --distributed to --command")
