@@ -13,11 +13,14 @@ data-parallel over the learner devices of every process (`jax.jit` + `shard_map`
 gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 """
 
+import glob
 import hashlib
 import json
 import os
 import queue
 import random
+import re
+import signal
 import sys
 import threading
 import time
@@ -35,11 +38,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import tyro
 from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
@@ -63,6 +69,13 @@ class Args:
     """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model"""
     log_frequency: int = 10
     """print a console line every this many updates (TensorBoard gets every update)"""
+    checkpoint_frequency: int = 100
+    """save the training state every this many updates into runs/{run_name}/checkpoints/ (0: only at the
+    end and on SIGTERM/SIGINT)"""
+    checkpoint_keep: int = 3
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
 
     # Algorithm specific arguments
     env_id: str = "Breakout-v5"
@@ -149,7 +162,7 @@ def fail(message: str):
 def validate_args(args: Args):
     """Checks that need no device: run before JAX starts any backend."""
     for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
-                 "total_timesteps", "log_frequency"]:
+                 "total_timesteps", "log_frequency", "checkpoint_keep"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     for name in ["learning_rate", "queue_timeout", "heartbeat_timeout"]:
@@ -182,6 +195,10 @@ def validate_args(args: Args):
     if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
         fail(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
              f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
+    if args.checkpoint_frequency < 0:
+        fail(f"--checkpoint-frequency must be 0 (off) or a positive number of updates, got {args.checkpoint_frequency}")
+    if args.resume and args.run_name is None:
+        fail("--resume needs --run-name: the name of the run to continue")
     if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
         fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
@@ -379,8 +396,20 @@ def categorical_logprob_entropy(logits, actions):
 class SummaryWriter:
     """TensorBoard event files via the tensorboard package alone (no TF/torch), and W&B if tracked."""
 
-    def __init__(self, logdir: str, use_wandb: bool):
+    def __init__(self, logdir: str, use_wandb: bool, resume_step: int):
+        """A run that starts again (resumed, or restarted after a crash) keeps what its earlier event files
+        logged up to resume_step and drops the rest, so its curves continue without duplicated steps (a step
+        logged out of order would make TensorBoard discard everything after it)."""
+        earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
         self.event_writer = EventFileWriter(logdir)
+        for path in earlier_files:
+            for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
+                event = event_pb2.Event.FromString(record)
+                if event.HasField("summary") and resume_step > 0 and event.step <= resume_step:
+                    self.event_writer.add_event(event)
+        self.event_writer.flush()
+        for path in earlier_files:
+            os.remove(path)
         self.use_wandb = use_wandb
 
     def add_scalars(self, scalars: dict, step: int):
@@ -400,6 +429,51 @@ class SummaryWriter:
 
     def close(self):
         self.event_writer.close()
+
+
+# flags that may differ when a run is resumed: where and how it runs, not what it computes
+RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency", "checkpoint_frequency",
+                     "checkpoint_keep", "resume", "queue_timeout", "heartbeat_timeout", "distributed",
+                     "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
+                     "local_rank", "world_size", "local_batch_size", "global_learner_device_ids"}
+
+
+def params_digest(params) -> str:
+    leaves = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params))
+    return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, update: int, agent_state: TrainState, learner_key, args: Args):
+    """The learner's whole state at an update boundary; orbax writes to a temporary folder and renames
+    it when complete, so a crash mid-write leaves no checkpoint that looks valid."""
+    start = time.time()
+    # the learner key is the same host value in every process: saved as numpy, not as a device array
+    state = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+    meta = {"args": asdict(args), "update": update, "global_step": update * args.batch_size}
+    manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    print(f"checkpoint saved: update={update} global_step={update * args.batch_size} "
+          f"params sha256={params_digest(agent_state.params)} in {time.time() - start:.2f}s", flush=True)
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, agent_state: TrainState, learner_key, args: Args):
+    """The newest complete checkpoint, checked against this run's flags: (agent_state, learner_key, update)."""
+    update = manager.latest_step()
+    path = os.path.join(manager.directory, str(update))
+    try:
+        meta = manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved_args = meta["args"]
+        for name, value in asdict(args).items():
+            if name not in RESUME_MAY_CHANGE and saved_args.get(name) != value:
+                fail(f"--resume: checkpoint {path} was made with --{name.replace('_', '-')} {saved_args.get(name)}, "
+                     f"this run has {value}; use the checkpoint's value or another --run-name")
+        template = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        state = manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        fail(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+             "delete it to resume from an older one")
+    return state["agent_state"], jax.random.wrap_key_data(state["learner_key"]), update
 
 
 class RunStopped(Exception):
@@ -424,16 +498,18 @@ def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float)
                 raise RunStopped
 
 
-def actor_env_seed(seed: int, global_thread_index: int, local_num_envs: int) -> int:
+def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
     """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
-    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs)."""
-    base = int(np.random.SeedSequence(seed).generate_state(1)[0]) % 2**30
+    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
+    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
+    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
     return base + global_thread_index * local_num_envs
 
 
 def rollout(
     args: Args,
     thread_index: int,
+    start_update: int,
     key: jax.Array,
     make_envs,
     actor_device: jax.Device,
@@ -446,8 +522,8 @@ def rollout(
 ):
     """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
     global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
-    envs = make_envs(actor_env_seed(args.seed, global_thread_index, args.local_num_envs))
-    key = jax.device_put(jax.random.fold_in(key, global_thread_index), actor_device)
+    envs = make_envs(actor_env_seed(args.seed, start_update, global_thread_index, args.local_num_envs))
+    key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
     num_envs, num_steps = args.local_num_envs, args.num_steps
     obs_space = envs.observation_space
     next_obs, _ = envs.reset()
@@ -461,10 +537,10 @@ def rollout(
     actor_policy_version = 0
     rollout_queue_put_time = 0.0
 
-    for update in range(1, args.num_updates + 1):
+    for update in range(start_update + 1, args.num_updates + 1):
         params_queue_get_start = time.time()
-        # the skipped get at update 2 makes the actor exactly one policy version behind the learner
-        if update != 2 or not args.concurrency:
+        # skipping the second get makes the actor exactly one policy version behind the learner
+        if update != start_update + 2 or not args.concurrency:
             params, actor_policy_version = queue_get(params_queue, stop_event, args.queue_timeout)
         params_queue_get_time = time.time() - params_queue_get_start
 
@@ -667,16 +743,6 @@ def main(args: Args):
     if args.run_name is None:
         args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
     is_main_process = args.local_rank == 0
-    writer = None
-    if is_main_process:
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                       name=args.run_name, save_code=True)
-        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track)
-        writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
-                        + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
 
     # seeding: the agent and learner keys are the same in all processes; each actor thread folds its
     # global index into actor_key, so no two threads (or processes) sample with the same key
@@ -708,6 +774,29 @@ def main(args: Args):
     agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
     update = make_learner_fns(args, agent, mesh)
 
+    checkpoint_manager = ocp.CheckpointManager(
+        os.path.abspath(f"runs/{args.run_name}/checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=args.checkpoint_keep, enable_async_checkpointing=False))
+    start_update = 0
+    if checkpoint_manager.latest_step() is not None:
+        agent_state, learner_key, start_update = restore_checkpoint(checkpoint_manager, agent_state, learner_key, args)
+        print(f"resumed from checkpoint: update={start_update} global_step={start_update * args.batch_size} "
+              f"params sha256={params_digest(agent_state.params)}", flush=True)
+    elif args.resume:
+        fail(f"--resume: runs/{args.run_name}/checkpoints has no complete checkpoint")
+
+    writer = None
+    if is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=args.run_name, id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow", save_code=True)
+        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track, resume_step=start_update * args.batch_size)
+        if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
+            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
+                            + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+
     @jax.jit
     def get_action_and_value(params, obs, key):
         logits, value = agent.apply(params, obs)
@@ -734,10 +823,11 @@ def main(args: Args):
             thread_index = device_index * args.num_actor_threads + thread_id
             params_queues.append(queue.Queue(maxsize=1))
             rollout_queues.append(queue.Queue(maxsize=1))
-            params_queues[-1].put((params_for(actor_device), 0))
+            params_queues[-1].put((params_for(actor_device), start_update))
             thread = threading.Thread(
                 target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
-                args=(rollout, actor_errors, stop_event, args, thread_index, actor_key, make_envs, actor_device,
+                args=(rollout, actor_errors, stop_event, args, thread_index, start_update, actor_key, make_envs,
+                      actor_device,
                       learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action_and_value,
                       get_value),
             )
@@ -748,18 +838,39 @@ def main(args: Args):
         if actor_errors:
             raise RuntimeError(f"an actor thread failed: {actor_errors[0]!r}") from actor_errors[0]
 
-    learner_policy_version = 0
-    global_step = 0
+    received_signals: list[int] = []
+
+    def on_preemption(signum, frame):
+        """SLURM preemption (SIGTERM) or Ctrl-C: stop at an update boundary and checkpoint; a second
+        signal interrupts at once."""
+        received_signals.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if args.world_size == 1:
+            stop_event.set()  # alone, stop the actors now; several processes first agree on the update
+
+    def preempted() -> bool:
+        if args.world_size == 1:
+            return bool(received_signals)
+        # every process must stop after the same update, or the others would wait in its collectives
+        return bool(multihost_utils.process_allgather(np.int32(bool(received_signals))).any())
+
+    signal.signal(signal.SIGTERM, on_preemption)
+    signal.signal(signal.SIGINT, on_preemption)
+    learner_policy_version = start_update
+    global_step = start_update * args.batch_size
     start_time = time.time()
     try:
-        for update_index in range(1, args.num_updates + 1):
+        for update_index in range(start_update + 1, args.num_updates + 1):
+            if preempted():
+                break
             rollout_queue_get_start = time.time()
             per_thread_storages, actor_versions, actor_stats = [], [], []
             for rollout_queue in rollout_queues:
                 try:
                     storages, actor_policy_version, stats = queue_get(rollout_queue, stop_event, args.queue_timeout)
                 except RunStopped:
-                    check_actors()
+                    check_actors()  # an actor failed: raise its error; otherwise a signal stopped the run
                     raise
                 per_thread_storages.append(storages)
                 actor_versions.append(actor_policy_version)
@@ -782,9 +893,12 @@ def main(args: Args):
                     queue_put(params_queue, (params_for(actor_device), learner_policy_version), stop_event,
                               args.queue_timeout)
 
+            if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
+                save_checkpoint(checkpoint_manager, update_index, agent_state, learner_key, args)
+
             returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
             lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
-            sps = int(global_step / (time.time() - start_time))
+            sps = int((global_step - start_update * args.batch_size) / (time.time() - start_time))
             scalars = {
                 "charts/SPS": sps,
                 "charts/learning_rate": learning_rate,
@@ -807,13 +921,16 @@ def main(args: Args):
             if writer is not None:
                 writer.add_scalars(scalars, global_step)
             if update_index % args.log_frequency == 0 or update_index == args.num_updates:
-                eta = (args.num_updates - update_index) * (time.time() - start_time) / update_index
-                process_sps = int(args.local_batch_size * update_index / (time.time() - start_time))
+                eta = (args.num_updates - update_index) * (time.time() - start_time) / (update_index - start_update)
+                process_sps = int(args.local_batch_size * (update_index - start_update) / (time.time() - start_time))
                 process_sps = f"process_SPS={process_sps} " if args.world_size > 1 else ""
                 print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} {process_sps}"
                       f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
                       f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
                       f"ETA={eta:.0f}s", flush=True)
+    except RunStopped:
+        if not received_signals:
+            raise
     except BaseException:
         if args.distributed:
             # a peer process may be dead: jax.distributed's exit barrier would wait for it (minutes), so
@@ -833,16 +950,21 @@ def main(args: Args):
         if writer is not None:
             writer.close()
 
-    final_params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), agent_state.params)
+    if checkpoint_manager.latest_step() != learner_policy_version:
+        save_checkpoint(checkpoint_manager, learner_policy_version, agent_state, learner_key, args)
+    checkpoint_manager.close()
     # every process prints this: equal digests show that all learner replicas hold the same params
-    params_digest = hashlib.sha256(b"".join(leaf.tobytes() for leaf in jax.tree.leaves(final_params))).hexdigest()
-    print(f"process {args.local_rank}: final params sha256={params_digest}", flush=True)
-    if args.save_model and is_main_process:
+    print(f"process {args.local_rank}: final params sha256={params_digest(agent_state.params)}", flush=True)
+    if received_signals:
+        print(f"stopped by signal {received_signals[0]} after update {learner_policy_version}: run the same command "
+              f"(--run-name {args.run_name}) to resume", flush=True)
+    if args.save_model and is_main_process and not received_signals:
         model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
         with open(model_path, "wb") as f:
             f.write(flax.serialization.msgpack_serialize({
                 "args": json.dumps(asdict(args)),
-                "params": flax.serialization.to_state_dict(final_params),
+                "params": flax.serialization.to_state_dict(
+                    jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), agent_state.params)),
             }))
         print(f"model saved to {model_path}")
     if args.track and is_main_process:
@@ -851,6 +973,8 @@ def main(args: Args):
         wandb.finish()
     if args.distributed:
         jax.distributed.shutdown()
+    if received_signals:
+        sys.exit(128 + received_signals[0])  # the shell's code for "ended by this signal": 143 SIGTERM, 130 Ctrl-C
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ class Run:
         return read_scalars(self.run_dir)
 
 
-def script_command(args: list[str], run_name: str, script: Path = PPO_SCRIPT) -> list[str]:
-    return [sys.executable, str(script), "--run-name", run_name, *args]
+def script_command(args: list[str], run_name: str | None, script: Path = PPO_SCRIPT) -> list[str]:
+    return [sys.executable, str(script), *(["--run-name", run_name] if run_name else []), *args]
 
 
 def script_env(env: dict | None = None) -> dict:
@@ -59,12 +59,12 @@ def script_env(env: dict | None = None) -> dict:
     return {**full_env, "PYTHONWARNINGS": SUBPROCESS_WARNINGS, "WANDB_MODE": "offline", **(env or {})}
 
 
-def run_script(args: list[str], cwd: Path, run_name: str = "test", script: Path = PPO_SCRIPT, timeout: float = 300,
+def run_script(args: list[str], cwd: Path, run_name: str | None = "test", script: Path = PPO_SCRIPT, timeout: float = 300,
                env: dict | None = None) -> Run:
     start = time.time()
     completed = subprocess.run(script_command(args, run_name, script), cwd=cwd, env=script_env(env),
                                capture_output=True, text=True, timeout=timeout)
-    return Run(completed, time.time() - start, cwd, run_name)
+    return Run(completed, time.time() - start, cwd, run_name or "")
 
 
 def free_port() -> int:

@@ -73,11 +73,13 @@ def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
     expected = [("CartPole-v1", 3), ("Breakout-v5", 3), ("CartPole-v1", 4), ("Breakout-v5", 4)]
     for task_id, (env_id, seed) in enumerate(expected):
         task = subprocess.run(["bash", str(script_path)], capture_output=True, text=True,
-                              env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}",
-                                   "SLURM_ARRAY_TASK_ID": str(task_id)})
+                              env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_JOB_NAME": "cleanba",
+                                   "SLURM_ARRAY_TASK_ID": str(task_id), "SLURM_ARRAY_JOB_ID": "777"})
         assert task.returncode == 0, task.stderr
+        # a stable run name per array task, so that a requeued task resumes its own run
         assert task.stdout.splitlines()[-1] == ("srun python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
-                                                f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed}")
+                                                f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed} "
+                                                f"--run-name {env_id}__cleanba__{seed}__777")
     if shutil.which("sbatch"):  # a real Slurm installation also validates the directives
         assert subprocess.run(["sbatch", "--test-only", str(script_path)], capture_output=True).returncode == 0
 

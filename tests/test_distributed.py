@@ -1,6 +1,7 @@
 """jax.distributed runs on this machine: two processes on 127.0.0.1, each with 2 host CPU devices (a0-l1-d2)."""
 
 import re
+import signal
 import time
 
 from conftest import read_scalars, run_script, start_processes
@@ -64,3 +65,29 @@ def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir):
     for run_name in ["one", "two"]:
         returns = [value for _, value in read_scalars(workdir / "runs" / run_name)["charts/avg_episodic_return"]]
         assert max(returns) >= 400, f"{run_name}: best average return {max(returns):.0f}"
+
+
+def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):
+    """SLURM preemption signals every task: all processes stop after the same update, then resume together."""
+    flags = [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "3840", "--checkpoint-frequency", "0"]
+    processes = start_processes(flags, workdir, 2, run_name="pre")
+    try:
+        for line in processes[0].stdout:
+            if line.startswith("update=4/"):
+                break
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        results = finish(processes, timeout=60)
+    finally:
+        for process in processes:
+            process.kill()
+    saved = [re.findall(r"checkpoint saved: update=(\d+)", out) for _, out, _ in results]
+    assert [returncode for returncode, _, _ in results] == [143, 143], results[1][2]
+    assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # one checkpoint, after the same update
+    resumed = finish(start_processes(flags, workdir, 2, run_name="pre"))
+    assert all(returncode == 0 for returncode, _, _ in resumed), resumed[0][2] + resumed[1][2]
+    assert all(f"resumed from checkpoint: update={saved[0][0]} " in out for _, out, _ in resumed)
+    digests = [DIGEST.search(out).group(2) for _, out, _ in resumed]
+    assert digests[0] == digests[1]
+    steps = [step for step, _ in read_scalars(workdir / "runs" / "pre")["charts/SPS"]]
+    assert steps == [256 * i for i in range(1, 16)]

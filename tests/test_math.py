@@ -95,14 +95,16 @@ def test_categorical_logprob_and_entropy_match_numpy():
 def test_env_seed_ranges_are_disjoint_across_processes_and_threads_and_seeds():
     local_num_envs, threads = 64, 4 * 8  # 4 processes with 8 actor threads each
     for seed in [1, 2]:
-        starts = [ppo.actor_env_seed(seed, g, local_num_envs) for g in range(threads)]
-        assert starts == [ppo.actor_env_seed(seed, g, local_num_envs) for g in range(threads)]  # reproducible
+        starts = [ppo.actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]
+        assert starts == [ppo.actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]  # reproducible
         ranges = sorted((s, s + local_num_envs) for s in starts)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
         assert ranges[-1][1] < 2**31  # envpool takes an int32 seed
-    run1 = {ppo.actor_env_seed(1, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
-    run2 = {ppo.actor_env_seed(2, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    run1 = {ppo.actor_env_seed(1, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    run2 = {ppo.actor_env_seed(2, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
     assert not run1 & run2  # seeds 1 and 2 share no environment
+    resumed = {ppo.actor_env_seed(1, 100, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    assert not run1 & resumed  # a run resumed at update 100 does not replay its first episodes
 
 
 def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):

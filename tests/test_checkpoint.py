@@ -1,0 +1,123 @@
+"""Never lose a run: periodic checkpoints, SIGTERM/Ctrl-C checkpoint and exit, resume, bad checkpoints."""
+
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+from conftest import read_scalars, run_script, script_command, script_env
+
+# 12 updates of 128 steps; a checkpoint every 3 updates, the 2 newest kept
+CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
+            "--num-actor-threads", "2", "--learner-device-ids", "1", "--total-timesteps", "3072",
+            "--checkpoint-frequency", "3", "--checkpoint-keep", "2", "--log-frequency", "1"]
+SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
+RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
+FINAL = re.compile(r"final params sha256=([0-9a-f]{64})")
+
+
+def interrupt(workdir, run_name, flags, after_update, sig=signal.SIGTERM):
+    """Start a run, send `sig` once it has logged `after_update`; return (exit code, seconds to exit, output)."""
+    process = subprocess.Popen(script_command(flags, run_name), cwd=workdir, env=script_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(f"update={after_update}/"):
+                break
+        sent = time.time()
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=60)
+        return process.returncode, time.time() - sent, "".join(lines) + out, err
+    finally:
+        process.kill()
+
+
+def checkpoint_steps(workdir, run_name):
+    return sorted(int(p.name) for p in (workdir / "runs" / run_name / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_sigterm_checkpoints_and_exits_then_the_same_command_resumes(workdir):
+    returncode, seconds, out, err = interrupt(workdir, "run", CARTPOLE, after_update=5)
+    assert returncode == 143, err  # 128 + SIGTERM: preempted, checkpoint written
+    assert seconds < 30, f"{seconds:.1f}s from SIGTERM to exit"
+    saved = SAVED.findall(out)
+    last_update, last_step, last_digest = saved[-1]
+    assert [u for u, _, _ in saved[:-1]] == ["3"] and int(last_update) >= 5  # periodic, then at the signal
+    assert f"stopped by signal 15 after update {last_update}" in out
+    assert checkpoint_steps(workdir, "run") == [3, int(last_update)]  # keeps the 2 newest
+
+    kept = workdir / "kept_checkpoints"
+    shutil.copytree(workdir / "runs" / "run" / "checkpoints", kept)
+    resumed = run_script(CARTPOLE, workdir, "run")  # the same command, no --resume needed
+    assert resumed.returncode == 0, resumed.stderr
+    assert RESUMED.search(resumed.stdout).groups() == (last_update, last_step, last_digest)  # bitwise the same state
+    scalars = read_scalars(workdir / "runs" / "run")
+    steps = [step for step, _ in scalars["charts/SPS"]]
+    assert steps == [256 * i for i in range(1, 13)]  # every update once: no duplicated or missing x
+    learner_versions = [v for _, v in scalars["stats/learner_policy_version"]]
+    assert learner_versions == list(range(12))
+    # the learning-rate schedule continues: during update k, 2.5e-4 x (1 - (k - 1) / 12)
+    learning_rates = [v for _, v in scalars["charts/learning_rate"]]
+    for update, learning_rate in enumerate(learning_rates, start=1):
+        assert abs(learning_rate - 2.5e-4 * (1 - (update - 1) / 12)) < 1e-9, (update, learning_rate)
+    assert checkpoint_steps(workdir, "run") == [12] or checkpoint_steps(workdir, "run")[-1] == 12
+
+    # a resumed run is reproducible: resuming again from the same checkpoint ends with the same params
+    shutil.rmtree(workdir / "runs" / "run" / "checkpoints")
+    shutil.copytree(kept, workdir / "runs" / "run" / "checkpoints")
+    again = run_script([*CARTPOLE, "--resume"], workdir, "run")
+    assert again.returncode == 0, again.stderr
+    assert FINAL.search(again.stdout).group(1) == FINAL.search(resumed.stdout).group(1)
+
+
+def test_ctrl_c_checkpoints_and_exits_with_130(workdir):
+    returncode, seconds, out, err = interrupt(workdir, "run", [*CARTPOLE, "--total-timesteps", "100000000"],
+                                              after_update=2, sig=signal.SIGINT)
+    assert returncode == 130, err
+    assert seconds < 30
+    assert SAVED.search(out) and checkpoint_steps(workdir, "run")
+
+
+def test_resume_without_a_checkpoint_is_an_error(workdir):
+    run = run_script([*CARTPOLE, "--resume"], workdir, "missing", timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == "error: --resume: runs/missing/checkpoints has no complete checkpoint"
+
+
+def test_resume_needs_a_run_name(workdir):
+    run = run_script([*CARTPOLE, "--resume"], workdir, run_name=None, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip() == "error: --resume needs --run-name: the name of the run to continue"
+
+
+def test_truncated_and_foreign_checkpoints_are_rejected_with_one_line(workdir):
+    finished = run_script(CARTPOLE, workdir, "run")
+    assert finished.returncode == 0, finished.stderr
+    # a checkpoint from another network size
+    foreign = run_script([*CARTPOLE, "--hiddens", "32", "--resume"], workdir, "run", timeout=120)
+    assert foreign.returncode == 2
+    assert foreign.stderr.strip().splitlines()[-1].startswith(
+        f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/12 was made with --hiddens [16], this run has [32]")
+    # a truncated file inside the newest checkpoint
+    data_files = [p for p in (workdir / "runs" / "run" / "checkpoints" / "12").rglob("*") if p.is_file()
+                  and p.stat().st_size > 1000]
+    for path in data_files:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    truncated = run_script([*CARTPOLE, "--resume"], workdir, "run", timeout=120)
+    assert truncated.returncode == 2, truncated.stdout + truncated.stderr
+    error = truncated.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/12 cannot be read"), error
+    assert "Traceback" not in truncated.stderr
+
+
+def test_an_unfinished_checkpoint_write_is_ignored(workdir):
+    finished = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")  # 3 updates, checkpoint 3
+    assert finished.returncode == 0, finished.stderr
+    # a crash while writing update 6 leaves orbax's temporary folder behind
+    (workdir / "runs" / "run" / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()
+    resumed = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")
+    assert resumed.returncode == 0, resumed.stderr
+    assert RESUMED.search(resumed.stdout).group(1) == "3"
