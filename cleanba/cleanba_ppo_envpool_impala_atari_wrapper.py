@@ -322,7 +322,7 @@ class Agent(nn.Module):
 
 
 class Rollout(NamedTuple):
-    """One actor thread's rollout, time-major: (num_steps, envs, ...), bootstrap_value: (envs,)."""
+    """One actor thread's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1."""
 
     obs: np.ndarray
     actions: np.ndarray
@@ -332,16 +332,7 @@ class Rollout(NamedTuple):
     terminations: np.ndarray
     truncations: np.ndarray
     valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
-    bootstrap_value: np.ndarray  # V(obs after the last step)
-
-
-def env_axis(x) -> int:
-    """Rollout arrays are (num_steps, envs, ...) except bootstrap_value, which is (envs,)."""
-    return 0 if x.ndim == 1 else 1
-
-
-def env_slice(x, start: int, stop: int):
-    return x[start:stop] if env_axis(x) == 0 else x[:, start:stop]
+    bootstrap_value: np.ndarray  # (1, envs): V(obs after the last step)
 
 
 def compute_gae(rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
@@ -580,15 +571,15 @@ def rollout(
             next_obs = step_obs
             storage_time += time.time() - storage_start
         inference_start = time.time()
-        bootstrap_value = np.asarray(get_value(params, next_obs))
+        bootstrap_value = np.asarray(get_value(params, next_obs))[None]
         inference_time += time.time() - inference_start
         rollout_time = time.time() - rollout_start
 
         storage = Rollout(obs, actions, logprobs, values, rewards, terminations, truncations, valid, bootstrap_value)
         # one host-to-device transfer per rollout: each learner device gets its slice of the envs
         sharded_storage = [
-            jax.device_put(jax.tree.map(partial(env_slice, start=i * envs_per_learner_device,
-                                                stop=(i + 1) * envs_per_learner_device), storage), device)
+            jax.device_put(jax.tree.map(lambda x: x[:, i * envs_per_learner_device : (i + 1) * envs_per_learner_device],
+                                        storage), device)
             for i, device in enumerate(learner_devices)
         ]
         stats = {
@@ -625,13 +616,13 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     minutes of compile; one compiled step called num_minibatches x update_epochs times costs neither.
     """
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
-    rollout_specs = Rollout(*([sharded_envs] * 8), sharded_steps)
+    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
 
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(rollout_specs,), out_specs=(sharded_steps,) * 7)
     def prepare_batch(storage: Rollout):
         """Per device: advantages and returns, then flatten (T, envs) into samples."""
-        advantages, returns = compute_gae(storage.rewards, storage.values, storage.bootstrap_value,
+        advantages, returns = compute_gae(storage.rewards, storage.values, storage.bootstrap_value[0],
                                           storage.terminations, storage.truncations, args.gamma, args.gae_lambda)
         flat = lambda x: x.reshape((-1, *x.shape[2:]))
         return tuple(map(flat, (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns,
@@ -697,15 +688,13 @@ def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: 
     """Concatenate the actor threads' slices on each local learner device, then view them as one
     global array over the learner devices of all processes (env axis sharded, device-major)."""
     per_device = [  # per_thread_storages[thread][device] -> one Rollout per local learner device
-        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=env_axis(xs[0])), *storages)
+        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages)
         for storages in zip(*per_thread_storages)
     ]
 
     def to_global(*shards):
-        spec = P("batch") if env_axis(shards[0]) == 0 else P(None, "batch")
-        shape = list(shards[0].shape)
-        shape[env_axis(shards[0])] = global_envs
-        return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), list(shards))
+        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(None, "batch")), list(shards))
 
     return jax.tree.map(to_global, *per_device)
 

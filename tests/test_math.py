@@ -139,7 +139,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
         terminations=(rng.random((T, N)) < 0.2).astype(np.float32),
         truncations=np.zeros((T, N), np.float32),
         valid=rng.random((T, N)) < 0.9,
-        bootstrap_value=rng.normal(size=N).astype(np.float32),
+        bootstrap_value=rng.normal(size=(1, N)).astype(np.float32),
     )
     agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
@@ -151,8 +151,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
-        global_storage = ppo.Rollout(*[
-            jax.device_put(x, NamedSharding(mesh, P("batch") if x.ndim == 1 else P(None, "batch"))) for x in storage])
+        global_storage = ppo.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
         update = ppo.make_learner_fns(args, agent, mesh)
         state, metrics, _ = update(state, global_storage, jax.random.key(1))
         results.append((jax.device_get(state.params), jax.device_get(metrics)))
