@@ -6,16 +6,19 @@ import subprocess
 import sys
 import time
 
-from conftest import PPO_SCRIPT, REPO, SUBPROCESS_WARNINGS, TINY_BREAKOUT, run_script
+import pytest
+
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, SUBPROCESS_WARNINGS, TINY_BREAKOUT_PPO, run_script
 
 FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
 
 
-def test_actor_failure_ends_the_run_within_30_seconds(workdir):
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
+def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
     # 2 actor threads; their envs fail after 40 steps (in the third rollout): the learner is waiting on the queue
     start = time.time()
-    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "env", "40", *CARTPOLE,
+    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(script), "env", "40", *CARTPOLE,
                           "--num-actor-threads", "2", "--total-timesteps", "100000000", "--run-name", "t"],
                          cwd=workdir, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
@@ -30,7 +33,7 @@ def test_actor_failure_ends_the_run_within_30_seconds(workdir):
 
 def test_learner_failure_ends_the_run_and_its_actors(workdir):
     start = time.time()
-    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "learner", "3", *TINY_BREAKOUT,
+    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "learner", "3", *TINY_BREAKOUT_PPO,
                           "--num-actor-threads", "2", "--learner-device-ids", "1", "--total-timesteps", "100000000",
                           "--run-name", "t"], cwd=workdir, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})

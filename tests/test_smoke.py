@@ -6,7 +6,7 @@ import flax
 import numpy as np
 import pytest
 
-from conftest import TINY_BREAKOUT, run_script
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, TINY_BREAKOUT, TINY_BREAKOUT_PPO, run_script
 
 TAGS = [
     "charts/SPS", "charts/avg_episodic_return", "charts/avg_episodic_length", "charts/learning_rate",
@@ -23,12 +23,17 @@ def versions(scalars):
     return actor, learner
 
 
-@pytest.mark.parametrize("layout", [(["0"], ["0"]), (["0"], ["1"]), (["0"], ["1", "2"])], ids=["a0-l0", "a0-l1", "a0-l1,2"])
-def test_layouts_log_every_tag_and_act_one_version_behind(workdir, layout):
-    actor_ids, learner_ids = layout
-    # 4 envs x 8 steps x 2 threads = 64 steps per update; 6 updates; long enough episodes end in Breakout
-    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "2", "--actor-device-ids", *actor_ids,
-                      "--learner-device-ids", *learner_ids, "--total-timesteps", "384"], workdir)
+LAYOUTS = [("ppo", ["0"], ["0"]), ("ppo", ["0"], ["1"]), ("ppo", ["0"], ["1", "2"]),
+           ("impala", ["0"], ["0"]), ("impala", ["0"], ["1", "2"])]
+
+
+@pytest.mark.parametrize("algorithm,actor_ids,learner_ids", LAYOUTS,
+                         ids=[f"{a}-a{','.join(x)}-l{','.join(y)}" for a, x, y in LAYOUTS])
+def test_layouts_log_every_tag_and_act_one_version_behind(workdir, algorithm, actor_ids, learner_ids):
+    script, tiny = (PPO_SCRIPT, TINY_BREAKOUT_PPO) if algorithm == "ppo" else (IMPALA_SCRIPT, TINY_BREAKOUT)
+    # 4 envs x 8 steps x 2 threads = 64 steps per update; 6 updates
+    run = run_script([*tiny, "--num-actor-threads", "2", "--actor-device-ids", *actor_ids,
+                      "--learner-device-ids", *learner_ids, "--total-timesteps", "384"], workdir, script=script)
     assert run.returncode == 0, run.stderr
     scalars = run.scalars()
     missing = [tag for tag in TAGS if tag not in scalars and tag != "charts/avg_episodic_return"
@@ -47,7 +52,7 @@ def test_layouts_log_every_tag_and_act_one_version_behind(workdir, layout):
 
 
 def test_no_concurrency_acts_with_the_latest_policy(workdir):
-    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "2", "--learner-device-ids", "1", "--no-concurrency",
+    run = run_script([*TINY_BREAKOUT_PPO, "--num-actor-threads", "2", "--learner-device-ids", "1", "--no-concurrency",
                       "--total-timesteps", "320"], workdir)
     assert run.returncode == 0, run.stderr
     actor, learner = versions(run.scalars())
@@ -66,7 +71,7 @@ def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
 
 
 def test_save_model_and_track_offline(workdir):
-    run = run_script([*TINY_BREAKOUT, "--num-actor-threads", "1", "--total-timesteps", "64", "--save-model", "--track",
+    run = run_script([*TINY_BREAKOUT_PPO, "--num-actor-threads", "1", "--total-timesteps", "64", "--save-model", "--track",
                       "--exp-name", "tiny"], workdir)
     assert run.returncode == 0, run.stderr
     model = flax.serialization.msgpack_restore((run.run_dir / "tiny.cleanrl_model").read_bytes())

@@ -1,0 +1,942 @@
+"""Sebulba IMPALA (Espeholt et al. 2018, V-trace) for envpool Atari and classic control.
+
+One file, read top to bottom: imports, `Args`, env factory, networks, pure functions (the V-trace
+loss), the actor thread, the learner update, `main`. The system is the one of the PPO script
+(cleanba_ppo_envpool_impala_atari_wrapper.py); `diff` the two to see what is IMPALA.
+
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
+own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
+learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
+learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
+skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
+behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
+data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
+gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+"""
+
+import glob
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import rlax
+import tyro
+from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    run_name: str | None = None
+    """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "cleanba"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    save_model: bool = False
+    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model"""
+    log_frequency: int = 10
+    """print a console line every this many updates (TensorBoard gets every update)"""
+    checkpoint_frequency: int = 100
+    """save the training state every this many updates into runs/{run_name}/checkpoints/ (0: only at the
+    end and on SIGTERM/SIGINT)"""
+    checkpoint_keep: int = 3
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """the id of the environment: an envpool Atari id (image observations, IMPALA CNN) or a
+    classic-control id such as CartPole-v1 (vector observations, MLP torso)"""
+    total_timesteps: int = 50_000_000
+    """total timesteps of the experiments (agent steps, summed over all envs and processes)"""
+    learning_rate: float = 6e-4
+    """the learning rate of the optimizer (IMPALA paper, Table G.1)"""
+    local_num_envs: int = 64
+    """the number of parallel game environments of each actor thread"""
+    num_actor_threads: int = 2
+    """the number of actor threads on each actor device"""
+    num_steps: int = 20
+    """the number of steps of each rollout (IMPALA paper, Table G.1: unroll length 20)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (IMPALA paper, Table G.1)"""
+    gamma: float = 0.99
+    """the discount factor gamma (IMPALA paper, Table G.1)"""
+    num_minibatches: int = 4
+    """the number of mini-batches of trajectories per rollout, on each learner device; each is used once
+    (with the defaults, 2 threads x 64 envs / 4 = 32 trajectories: the paper's batch size)"""
+    vtrace_rho_bar: float = 1.0
+    """V-trace's clipping of the importance weights rho, also used for the policy gradient (IMPALA paper, Sec. 4)"""
+    vtrace_c_bar: float = 1.0
+    """V-trace's clipping of the trace-cutting weights c, in (0, 1] (IMPALA paper, Sec. 4)"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy (IMPALA paper, Table G.1)"""
+    vf_coef: float = 0.5
+    """coefficient of the baseline (value) loss (IMPALA paper, Table G.1)"""
+    max_grad_norm: float = 40.0
+    """the maximum norm for the gradient clipping (IMPALA paper, Table G.1)"""
+    rmsprop_decay: float = 0.99
+    """RMSProp's decay (IMPALA paper, Table G.1)"""
+    rmsprop_eps: float = 0.01
+    """RMSProp's epsilon, added outside the square root as in the paper's TensorFlow RMSProp (Table G.1)"""
+    channels: list[int] = field(default_factory=lambda: [16, 32, 32])
+    """the channels of the IMPALA CNN's residual stacks (Espeholt et al. 2018, Fig. 3)"""
+    hiddens: list[int] = field(default_factory=lambda: [256])
+    """the hidden layers after the CNN (IMPALA: one of 256), or of the MLP for vector observations"""
+
+    # Sebulba: devices, threads, processes
+    actor_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids that actor threads run inference on"""
+    learner_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids the data-parallel learner runs on (in every process)"""
+    concurrency: bool = True
+    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
+    distributed: bool = False
+    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
+    coordinator_address: str | None = None
+    """with --distributed outside SLURM: host:port of process 0"""
+    num_processes: int | None = None
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: int | None = None
+    """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    heartbeat_timeout: int = 30
+    """with --distributed: seconds without a heartbeat after which a process counts as dead"""
+    queue_timeout: float = 1.0
+    """seconds between checks for a stopped run while waiting on a queue"""
+
+    # to be filled in runtime
+    local_batch_size: int = 0
+    """steps per update collected by this process"""
+    batch_size: int = 0
+    """steps per update over all processes"""
+    num_updates: int = 0
+    """the number of learner updates"""
+    world_size: int = 0
+    """the number of processes"""
+    local_rank: int = 0
+    """this process's index"""
+    global_learner_device_ids: list[int] = field(default_factory=list)
+    """ids (jax.devices()) of the learner devices of all processes"""
+
+
+def fail(message: str):
+    """Bad input: one line naming the flag and what is allowed, exit code 2 (like argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend."""
+    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "total_timesteps",
+                 "log_frequency", "checkpoint_keep"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ["learning_rate", "queue_timeout", "heartbeat_timeout", "vtrace_rho_bar", "rmsprop_eps"]:
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["gamma", "rmsprop_decay"]:
+        if not 0 <= getattr(args, name) <= 1:
+            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if not 0 < args.vtrace_c_bar <= 1:
+        fail(f"--vtrace-c-bar must be in (0, 1] (V-trace's c never exceeds 1 in rlax), got {args.vtrace_c_bar}")
+    for name in ["channels", "hiddens"]:
+        if not getattr(args, name) or min(getattr(args, name)) <= 0:
+            fail(f"--{name} must be one or more positive integers, got {getattr(args, name)}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        ids = getattr(args, name)
+        if not ids:
+            fail(f"--{name.replace('_', '-')} needs at least one device id")
+        if min(ids) < 0:
+            fail(f"--{name.replace('_', '-')} must be non-negative device ids, got {ids}")
+        if len(set(ids)) != len(ids):
+            fail(f"--{name.replace('_', '-')} has duplicate device ids: {ids}")
+    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
+    if env_family not in ("envpool.atari", "envpool.classic_control") or not hasattr(
+            envpool.make_spec(args.env_id).action_space, "n"):
+        fail(f"--env-id {args.env_id!r} is not supported: use an envpool Atari id (Breakout-v5, Pong-v5, ...) "
+             "or a discrete-action classic-control id (CartPole-v1, Acrobot-v1, MountainCar-v0)")
+    if args.local_num_envs % len(args.learner_device_ids) != 0:
+        fail(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+             f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
+    envs_per_learner_device = (len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs
+                               // len(args.learner_device_ids))
+    if envs_per_learner_device % args.num_minibatches != 0:
+        fail(f"--num-minibatches ({args.num_minibatches}) must divide the trajectories (envs) per learner device "
+             f"({envs_per_learner_device})")
+    if args.checkpoint_frequency < 0:
+        fail(f"--checkpoint-frequency must be 0 (off) or a positive number of updates, got {args.checkpoint_frequency}")
+    if args.resume and args.run_name is None:
+        fail("--resume needs --run-name: the name of the run to continue")
+    if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
+        fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def ensure_host_devices(args: Args):
+    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
+
+    The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
+    already set in XLA_FLAGS wins (appending never overwrites it); too few then fails validation.
+    """
+    needed = max(args.actor_device_ids + args.learner_device_ids) + 1
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+
+
+def is_atari(env_id: str) -> bool:
+    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
+
+
+def make_env(env_id: str, seed: int, num_envs: int):
+    def thunk():
+        if is_atari(env_id):
+            return envpool.make(
+                env_id,
+                env_type="gymnasium",
+                num_envs=num_envs,
+                seed=seed,  # env i of this pool is seeded with seed + i
+                # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ, so each
+                # setting is passed explicitly:
+                episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
+                reward_clip=True,  # rewards clipped to [-1, 1]
+                noop_max=30,  # up to 30 no-op actions at the start of each episode
+                full_action_space=False,  # the minimal, game-specific action set
+                max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
+                repeat_action_probability=0.0,  # no sticky actions, as in the IMPALA paper
+            )
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed)
+
+    return thunk
+
+
+class ResidualBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        inputs = x
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.relu(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        return x + inputs
+
+
+class ConvSequence(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
+        x = ResidualBlock(self.channels)(x)
+        x = ResidualBlock(self.channels)(x)
+        return x
+
+
+class ImpalaCNN(nn.Module):
+    """The IMPALA "deep" torso (Espeholt et al. 2018, Fig. 3). Observations stay uint8 until here."""
+
+    channels: Sequence[int]
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # envpool: (N, stack, H, W)
+        for channels in self.channels:
+            x = ConvSequence(channels)(x)
+        x = nn.relu(x)
+        x = x.reshape((x.shape[0], -1))
+        for hidden in self.hiddens:
+            x = nn.relu(nn.Dense(hidden)(x))
+        return x
+
+
+class MLP(nn.Module):
+    """Torso for vector observations (classic control)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    """Policy logits and value. Atari shares the IMPALA torso between both heads (Espeholt et al. 2018);
+    vector observations get separate actor and critic MLPs, as in CleanRL's classic-control PPO: with a
+    shared small MLP, large value gradients (returns of ~100s) drown the policy gradient."""
+
+    action_dim: int
+    channels: Sequence[int]
+    hiddens: Sequence[int]
+    image_obs: bool
+
+    @nn.compact
+    def __call__(self, obs):
+        if self.image_obs:
+            actor_hidden = critic_hidden = ImpalaCNN(self.channels, self.hiddens)(obs)
+        else:
+            actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
+        return logits, value.squeeze(-1)
+
+
+class Rollout(NamedTuple):
+    """One actor thread's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1."""
+
+    obs: np.ndarray
+    actions: np.ndarray
+    logprobs: np.ndarray  # of the behaviour policy, for V-trace's importance weights
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
+    bootstrap_obs: np.ndarray  # (1, envs, ...): the obs after the last step; the learner values it
+
+
+def vtrace_loss_terms(logits, values, bootstrap_value, actions, behaviour_logprobs, rewards, terminations,
+                      truncations, valid, normalizer, gamma, rho_bar, c_bar):
+    """IMPALA's losses (Espeholt et al. 2018, Sec. 4) on time-major (T, N) arrays, V-trace from rlax.
+
+    envpool returns the true last observation of an episode together with its end flag and resets
+    on the *next* step, so values[t+1] is V(last observation). A termination stops the bootstrap; a
+    time-limit truncation is not a termination: it bootstraps from the value of the truncated state.
+    Either end cuts the trace (lambda_t = 0), since the transition after it is envpool's reset step
+    (masked out of the loss by `valid`). rlax's trace weight is c_t = lambda_t min(1, rho_t), so
+    lambda_t also lowers the clip from 1 to c_bar.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl), each a sum over valid samples / normalizer.
+    """
+    logprobs, entropy = categorical_logprob_entropy(logits, actions)
+    logratio = logprobs - behaviour_logprobs
+    rhos = jax.lax.stop_gradient(jnp.exp(logratio))
+    episode_ends = jnp.logical_or(terminations, truncations)
+    discounts = gamma * (1.0 - terminations)
+    lambdas = (1.0 - episode_ends) * jnp.where(rhos < c_bar, 1.0, c_bar / jnp.minimum(1.0, rhos))
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    vtrace = jax.vmap(partial(rlax.vtrace, clip_rho_threshold=rho_bar), in_axes=1, out_axes=1)
+    errors = vtrace(values, next_values, rewards, discounts, rhos, lambdas)  # v_s - V(x_s), targets stopped
+    vs = jax.lax.stop_gradient(errors + values)
+    # the policy gradient's target: r_s + gamma v_{s+1}, or V(x_{s+1}) where the trace is cut by an episode end
+    next_vs = jnp.where(episode_ends, next_values, jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0))
+    pg_advantages = jnp.minimum(rho_bar, rhos) * (rewards + discounts * next_vs - values)
+    pg_loss = -jax.lax.stop_gradient(pg_advantages) * logprobs
+    v_loss = 0.5 * errors**2
+    approx_kl = (jnp.exp(logratio) - 1) - logratio
+    valid = valid.astype(jnp.float32)
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def categorical_logprob_entropy(logits, actions):
+    log_probs = jax.nn.log_softmax(logits)
+    logprob = jnp.take_along_axis(log_probs, actions[..., None], axis=-1).squeeze(-1)
+    entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return logprob, entropy
+
+
+class SummaryWriter:
+    """TensorBoard event files via the tensorboard package alone (no TF/torch), and W&B if tracked."""
+
+    def __init__(self, logdir: str, use_wandb: bool, resume_step: int):
+        """A run that starts again (resumed, or restarted after a crash) keeps what its earlier event files
+        logged up to resume_step and drops the rest, so its curves continue without duplicated steps (a step
+        logged out of order would make TensorBoard discard everything after it)."""
+        earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
+        self.event_writer = EventFileWriter(logdir)
+        for path in earlier_files:
+            for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
+                event = event_pb2.Event.FromString(record)
+                if event.HasField("summary") and resume_step > 0 and event.step <= resume_step:
+                    self.event_writer.add_event(event)
+        self.event_writer.flush()
+        for path in earlier_files:
+            os.remove(path)
+        self.use_wandb = use_wandb
+
+    def add_scalars(self, scalars: dict, step: int):
+        values = [summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values)))
+        if self.use_wandb:
+            import wandb
+
+            wandb.log(scalars, step=step)
+
+    def add_text(self, tag: str, text: str):
+        tensor = tensor_pb2.TensorProto(dtype="DT_STRING", string_val=[text.encode()],
+                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[]))
+        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])))
+
+    def close(self):
+        self.event_writer.close()
+
+
+# flags that may differ when a run is resumed: where and how it runs, not what it computes
+RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency", "checkpoint_frequency",
+                     "checkpoint_keep", "resume", "queue_timeout", "heartbeat_timeout", "distributed",
+                     "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
+                     "local_rank", "world_size", "local_batch_size", "global_learner_device_ids"}
+
+
+def params_digest(params) -> str:
+    leaves = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params))
+    return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, update: int, agent_state: TrainState, learner_key, args: Args):
+    """The learner's whole state at an update boundary; orbax writes to a temporary folder and renames
+    it when complete, so a crash mid-write leaves no checkpoint that looks valid."""
+    start = time.time()
+    # the learner key is the same host value in every process: saved as numpy, not as a device array
+    state = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+    meta = {"args": asdict(args), "update": update, "global_step": update * args.batch_size}
+    manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    print(f"checkpoint saved: update={update} global_step={update * args.batch_size} "
+          f"params sha256={params_digest(agent_state.params)} in {time.time() - start:.2f}s", flush=True)
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, agent_state: TrainState, learner_key, args: Args):
+    """The newest complete checkpoint, checked against this run's flags: (agent_state, learner_key, update)."""
+    update = manager.latest_step()
+    path = os.path.join(manager.directory, str(update))
+    try:
+        meta = manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved_args = meta["args"]
+        for name, value in asdict(args).items():
+            if name not in RESUME_MAY_CHANGE and saved_args.get(name) != value:
+                fail(f"--resume: checkpoint {path} was made with --{name.replace('_', '-')} {saved_args.get(name)}, "
+                     f"this run has {value}; use the checkpoint's value or another --run-name")
+        template = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        state = manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        fail(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+             "delete it to resume from an older one")
+    return state["agent_state"], jax.random.wrap_key_data(state["learner_key"]), update
+
+
+class RunStopped(Exception):
+    """Raised inside a thread waiting on a queue when another thread has stopped the run."""
+
+
+def queue_get(q: queue.Queue, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.put(item, timeout=timeout)
+        except queue.Full:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
+    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
+    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
+    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
+    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
+    return base + global_thread_index * local_num_envs
+
+
+def rollout(
+    args: Args,
+    thread_index: int,
+    start_update: int,
+    key: jax.Array,
+    make_envs,
+    actor_device: jax.Device,
+    learner_devices: list[jax.Device],
+    params_queue: queue.Queue,
+    rollout_queue: queue.Queue,
+    stop_event: threading.Event,
+    get_action,
+):
+    """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
+    global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
+    envs = make_envs(actor_env_seed(args.seed, start_update, global_thread_index, args.local_num_envs))
+    key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    obs_space = envs.observation_space
+    next_obs, _ = envs.reset()
+    previous_episode_end = np.zeros(num_envs, dtype=bool)
+    # episode statistics on the real game: unclipped rewards, and whole games despite episodic life
+    episode_returns = np.zeros(num_envs, dtype=np.float64)
+    episode_lengths = np.zeros(num_envs, dtype=np.int64)
+    returned_episode_returns = np.full(num_envs, np.nan)
+    returned_episode_lengths = np.full(num_envs, np.nan)
+    envs_per_learner_device = num_envs // len(learner_devices)
+    actor_policy_version = 0
+    rollout_queue_put_time = 0.0
+
+    for update in range(start_update + 1, args.num_updates + 1):
+        params_queue_get_start = time.time()
+        # skipping the second get makes the actor exactly one policy version behind the learner
+        if update != start_update + 2 or not args.concurrency:
+            params, actor_policy_version = queue_get(params_queue, stop_event, args.queue_timeout)
+        params_queue_get_time = time.time() - params_queue_get_start
+
+        rollout_start = time.time()
+        inference_time = env_step_time = storage_time = 0.0
+        obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=obs_space.dtype)
+        actions = np.empty((num_steps, num_envs), dtype=np.int32)
+        logprobs = np.empty((num_steps, num_envs), dtype=np.float32)
+        rewards = np.empty((num_steps, num_envs), dtype=np.float32)
+        terminations = np.empty((num_steps, num_envs), dtype=np.float32)
+        truncations = np.empty((num_steps, num_envs), dtype=np.float32)
+        valid = np.empty((num_steps, num_envs), dtype=bool)
+        for step in range(num_steps):
+            if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
+                raise RunStopped
+            inference_start = time.time()
+            action, logprob, key = get_action(params, next_obs, key)
+            action, logprob = jax.device_get((action, logprob))
+            env_step_start = time.time()
+            inference_time += env_step_start - inference_start
+            step_obs, reward, terminated, truncated, info = envs.step(action)
+            storage_start = time.time()
+            env_step_time += storage_start - env_step_start
+            obs[step], actions[step], logprobs[step] = next_obs, action, logprob
+            rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+            valid[step] = ~previous_episode_end
+            # Atari: info["reward"] is unclipped and info["terminated"] marks game over (not a lost life)
+            episode_returns += info.get("reward", reward)
+            episode_lengths += valid[step]  # envpool's reset step is not a step of the game
+            game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
+            returned_episode_returns = np.where(game_over, episode_returns, returned_episode_returns)
+            returned_episode_lengths = np.where(game_over, episode_lengths, returned_episode_lengths)
+            episode_returns *= ~game_over
+            episode_lengths *= ~game_over
+            previous_episode_end = np.logical_or(terminated, truncated)
+            next_obs = step_obs
+            storage_time += time.time() - storage_start
+        rollout_time = time.time() - rollout_start
+
+        storage = Rollout(obs, actions, logprobs, rewards, terminations, truncations, valid, next_obs[None])
+        # one host-to-device transfer per rollout: each learner device gets its slice of the envs
+        sharded_storage = [
+            jax.device_put(jax.tree.map(lambda x: x[:, i * envs_per_learner_device : (i + 1) * envs_per_learner_device],
+                                        storage), device)
+            for i, device in enumerate(learner_devices)
+        ]
+        stats = {
+            "params_queue_get_time": params_queue_get_time,
+            "rollout_time": rollout_time,
+            "inference_time": inference_time,
+            "env_step_time": env_step_time,
+            "storage_time": storage_time,
+            "rollout_queue_put_time": rollout_queue_put_time,  # of the previous rollout
+            "returned_episode_returns": returned_episode_returns.copy(),
+            "returned_episode_lengths": returned_episode_lengths.copy(),
+        }
+        rollout_queue_put_start = time.time()
+        queue_put(rollout_queue, (sharded_storage, actor_policy_version, stats), stop_event, args.queue_timeout)
+        rollout_queue_put_time = time.time() - rollout_queue_put_start
+
+
+def actor_thread_main(target, errors: list, stop_event: threading.Event, *target_args):
+    """Run an actor; any failure is recorded and stops the whole run."""
+    try:
+        target(*target_args)
+    except RunStopped:
+        pass
+    except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
+        errors.append(error)
+        stop_event.set()
+
+
+def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
+    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
+
+    Each rollout is used once, split into minibatches of whole trajectories (V-trace runs along
+    time). A Python loop over the minibatches drives one jitted minibatch step: on CPU, XLA turns a
+    conv weight-gradient inside `lax.scan` into a very slow loop, and unrolling the scan costs minutes
+    of compile.
+    """
+    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
+
+    def loss_fn(params, storage: Rollout):
+        num_steps, num_envs = storage.actions.shape
+        obs = jnp.concatenate([storage.obs, storage.bootstrap_obs], axis=0)  # one forward pass for all values
+        logits, values = agent.apply(params, obs.reshape((-1, *obs.shape[2:])))
+        logits = logits.reshape((num_steps + 1, num_envs, -1))[:-1]
+        values = values.reshape((num_steps + 1, num_envs))
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(storage.valid.sum(), "batch"), 1).astype(jnp.float32)
+        pg_loss, v_loss, entropy_loss, approx_kl = vtrace_loss_terms(
+            logits, values[:-1], values[-1], storage.actions, storage.logprobs, storage.rewards, storage.terminations,
+            storage.truncations, storage.valid, normalizer, args.gamma, args.vtrace_rho_bar, args.vtrace_c_bar)
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+    envs_per_learner_device = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    envs_per_learner_device //= len(args.learner_device_ids)
+    minibatch_size = envs_per_learner_device // args.num_minibatches  # trajectories
+
+    # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis
+    # checks reject; without them, each device's gradient is its own and the psum below sums them
+    @partial(jax.jit, donate_argnums=(0,))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs, sharded_steps, replicated),
+             out_specs=(replicated, replicated), check_vma=False)
+    def minibatch_update(agent_state: TrainState, storage: Rollout, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=1), storage)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent_state.params, minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps)
+    def shuffle(key):
+        """Each learner device permutes its own trajectories with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, envs_per_learner_device)
+
+    def update(agent_state: TrainState, storage: Rollout, key):
+        key, shuffle_key = jax.random.split(key)
+        permutation = shuffle(shuffle_key)
+        metrics = []
+        for minibatch_index in range(args.num_minibatches):
+            agent_state, minibatch_metrics = minibatch_update(agent_state, storage, permutation,
+                                                              jnp.int32(minibatch_index))
+            metrics.append(minibatch_metrics)
+        metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+        return agent_state, metrics, key
+
+    return update
+
+
+def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: int) -> Rollout:
+    """Concatenate the actor threads' slices on each local learner device, then view them as one
+    global array over the learner devices of all processes (env axis sharded, device-major)."""
+    per_device = [  # per_thread_storages[thread][device] -> one Rollout per local learner device
+        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages)
+        for storages in zip(*per_thread_storages)
+    ]
+
+    def to_global(*shards):
+        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(None, "batch")), list(shards))
+
+    return jax.tree.map(to_global, *per_device)
+
+
+def main(args: Args):
+    validate_args(args)
+    ensure_host_devices(args)
+    if args.distributed:
+        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+    args.world_size, args.local_rank = jax.process_count(), jax.process_index()
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if max(getattr(args, name)) >= len(local_devices):
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} out of range: this process has "
+                 f"{len(local_devices)} {local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
+    args.local_batch_size = (args.local_num_envs * args.num_steps * args.num_actor_threads
+                             * len(args.actor_device_ids))
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_timesteps // args.batch_size
+    if args.num_updates < 1:
+        fail(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
+             "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
+    actor_devices = [local_devices[i] for i in args.actor_device_ids]
+    learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    global_learner_devices = [
+        device for process in range(args.world_size) for i, device in enumerate(
+            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
+        if i in args.learner_device_ids
+    ]
+    args.global_learner_device_ids = [device.id for device in global_learner_devices]
+    mesh = Mesh(np.array(global_learner_devices), ("batch",))
+
+    if args.run_name is None:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    is_main_process = args.local_rank == 0
+
+    # seeding: the agent and learner keys are the same in all processes; each actor thread folds its
+    # global index into actor_key, so no two threads (or processes) sample with the same key
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
+
+    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)()
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x minibatches (IMPALA paper, Table G.1)
+        frac = 1.0 - (count // args.num_minibatches) / args.num_updates
+        return args.learning_rate * frac
+
+    replicated_sharding = NamedSharding(mesh, P())
+    agent_state = TrainState.create(
+        apply_fn=None,
+        params=agent.init(agent_key, np.zeros((1, *obs_space.shape), obs_space.dtype)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            # epsilon outside the square root, like the TensorFlow RMSProp of the IMPALA paper
+            optax.inject_hyperparams(optax.rmsprop)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, decay=args.rmsprop_decay,
+                eps=args.rmsprop_eps, eps_in_sqrt=False),
+        ),
+    )
+    # from host values, identical in every process, to one replicated global array per leaf
+    agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
+    update = make_learner_fns(args, agent, mesh)
+
+    checkpoint_manager = ocp.CheckpointManager(
+        os.path.abspath(f"runs/{args.run_name}/checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=args.checkpoint_keep, enable_async_checkpointing=False))
+    start_update = 0
+    if checkpoint_manager.latest_step() is not None:
+        agent_state, learner_key, start_update = restore_checkpoint(checkpoint_manager, agent_state, learner_key, args)
+        print(f"resumed from checkpoint: update={start_update} global_step={start_update * args.batch_size} "
+              f"params sha256={params_digest(agent_state.params)}", flush=True)
+    elif args.resume:
+        fail(f"--resume: runs/{args.run_name}/checkpoints has no complete checkpoint")
+
+    writer = None
+    if is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=args.run_name, id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow", save_code=True)
+        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track, resume_step=start_update * args.batch_size)
+        if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
+            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
+                            + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+
+    @jax.jit
+    def get_action(params, obs, key):
+        logits, _ = agent.apply(params, obs)
+        key, subkey = jax.random.split(key)
+        action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
+        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        return action, logprob, key
+
+    def params_for(device):
+        # a copy of our shard of the replicated (possibly multi-process) params on the actor device; a copy
+        # even when actor and learner share a device, since the learner donates its buffers to the update
+        return jax.device_put(jax.tree.map(lambda x: x.addressable_shards[0].data, agent_state.params), device,
+                              may_alias=False)
+
+    stop_event = threading.Event()
+    actor_errors: list = []
+    params_queues, rollout_queues, actor_threads = [], [], []
+    for device_index, actor_device in enumerate(actor_devices):
+        for thread_id in range(args.num_actor_threads):
+            thread_index = device_index * args.num_actor_threads + thread_id
+            params_queues.append(queue.Queue(maxsize=1))
+            rollout_queues.append(queue.Queue(maxsize=1))
+            params_queues[-1].put((params_for(actor_device), start_update))
+            thread = threading.Thread(
+                target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
+                args=(rollout, actor_errors, stop_event, args, thread_index, start_update, actor_key, make_envs,
+                      actor_device,
+                      learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action),
+            )
+            thread.start()
+            actor_threads.append(thread)
+
+    def check_actors():
+        if actor_errors:
+            raise RuntimeError(f"an actor thread failed: {actor_errors[0]!r}") from actor_errors[0]
+
+    received_signals: list[int] = []
+
+    def on_preemption(signum, frame):
+        """SLURM preemption (SIGTERM) or Ctrl-C: stop at an update boundary and checkpoint; a second
+        signal interrupts at once."""
+        received_signals.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if args.world_size == 1:
+            stop_event.set()  # alone, stop the actors now; several processes first agree on the update
+
+    def preempted() -> bool:
+        if args.world_size == 1:
+            return bool(received_signals)
+        # every process must stop after the same update, or the others would wait in its collectives
+        return bool(multihost_utils.process_allgather(np.int32(bool(received_signals))).any())
+
+    signal.signal(signal.SIGTERM, on_preemption)
+    signal.signal(signal.SIGINT, on_preemption)
+    learner_policy_version = start_update
+    global_step = start_update * args.batch_size
+    start_time = time.time()
+    try:
+        for update_index in range(start_update + 1, args.num_updates + 1):
+            if preempted():
+                break
+            rollout_queue_get_start = time.time()
+            per_thread_storages, actor_versions, actor_stats = [], [], []
+            for rollout_queue in rollout_queues:
+                try:
+                    storages, actor_policy_version, stats = queue_get(rollout_queue, stop_event, args.queue_timeout)
+                except RunStopped:
+                    check_actors()  # an actor failed: raise its error; otherwise a signal stopped the run
+                    raise
+                per_thread_storages.append(storages)
+                actor_versions.append(actor_policy_version)
+                actor_stats.append(stats)
+            assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
+            rollout_queue_get_time = time.time() - rollout_queue_get_start
+            global_step += args.batch_size
+
+            training_start = time.time()
+            storage = assemble_global_rollout(per_thread_storages, mesh, args.batch_size // args.num_steps)
+            agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
+            learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
+            metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
+            training_time = time.time() - training_start
+            trained_policy_version = learner_policy_version  # the version the gradient was taken at
+            learner_policy_version += 1
+            check_actors()
+            if update_index < args.num_updates:
+                for params_queue, actor_device in zip(params_queues, [d for d in actor_devices for _ in range(args.num_actor_threads)]):
+                    queue_put(params_queue, (params_for(actor_device), learner_policy_version), stop_event,
+                              args.queue_timeout)
+
+            if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
+                save_checkpoint(checkpoint_manager, update_index, agent_state, learner_key, args)
+
+            returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
+            lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
+            sps = int((global_step - start_update * args.batch_size) / (time.time() - start_time))
+            scalars = {
+                "charts/SPS": sps,
+                "charts/learning_rate": learning_rate,
+                "losses/loss": metrics[0],
+                "losses/policy_loss": metrics[1],
+                "losses/value_loss": metrics[2],
+                "losses/entropy": metrics[3],
+                "losses/approx_kl": metrics[4],
+                "stats/actor_policy_version": actor_versions[0],
+                "stats/learner_policy_version": trained_policy_version,
+                "stats/rollout_queue_get_time": rollout_queue_get_time,
+                "stats/training_time": training_time,
+            }
+            for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
+                         "rollout_queue_put_time"]:
+                scalars[f"stats/{name}"] = np.mean([s[name] for s in actor_stats])
+            if not np.all(np.isnan(returns)):
+                scalars["charts/avg_episodic_return"] = np.nanmean(returns)
+                scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
+            if writer is not None:
+                writer.add_scalars(scalars, global_step)
+            if update_index % args.log_frequency == 0 or update_index == args.num_updates:
+                eta = (args.num_updates - update_index) * (time.time() - start_time) / (update_index - start_update)
+                process_sps = int(args.local_batch_size * (update_index - start_update) / (time.time() - start_time))
+                process_sps = f"process_SPS={process_sps} " if args.world_size > 1 else ""
+                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} {process_sps}"
+                      f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
+                      f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
+                      f"ETA={eta:.0f}s", flush=True)
+    except RunStopped:
+        if not received_signals:
+            raise
+    except BaseException:
+        if args.distributed:
+            # a peer process may be dead: jax.distributed's exit barrier would wait for it (minutes), so
+            # report, close what we wrote, and leave now; the others fail in their next collective
+            stop_event.set()
+            if writer is not None:
+                writer.close()
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
+    finally:
+        stop_event.set()
+        for thread in actor_threads:
+            thread.join(timeout=10)
+        if writer is not None:
+            writer.close()
+
+    if checkpoint_manager.latest_step() != learner_policy_version:
+        save_checkpoint(checkpoint_manager, learner_policy_version, agent_state, learner_key, args)
+    checkpoint_manager.close()
+    # every process prints this: equal digests show that all learner replicas hold the same params
+    print(f"process {args.local_rank}: final params sha256={params_digest(agent_state.params)}", flush=True)
+    if received_signals:
+        print(f"stopped by signal {received_signals[0]} after update {learner_policy_version}: run the same command "
+              f"(--run-name {args.run_name}) to resume", flush=True)
+    if args.save_model and is_main_process and not received_signals:
+        model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
+        with open(model_path, "wb") as f:
+            f.write(flax.serialization.msgpack_serialize({
+                "args": json.dumps(asdict(args)),
+                "params": flax.serialization.to_state_dict(
+                    jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), agent_state.params)),
+            }))
+        print(f"model saved to {model_path}")
+    if args.track and is_main_process:
+        import wandb
+
+        wandb.finish()
+    if args.distributed:
+        jax.distributed.shutdown()
+    if received_signals:
+        sys.exit(128 + received_signals[0])  # the shell's code for "ended by this signal": 143 SIGTERM, 130 Ctrl-C
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,94 @@
+"""The IMPALA script: its V-trace loss against a NumPy re-implementation, learning, reproducibility, bad input."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import IMPALA_SCRIPT, load_script, run_script
+
+impala = load_script(IMPALA_SCRIPT)
+
+
+def vtrace_losses_numpy(logits, values, bootstrap_value, actions, behaviour_logprobs, rewards, terminations,
+                        truncations, valid, gamma, rho_bar, c_bar):
+    """V-trace (Espeholt et al. 2018, Sec. 4.1-4.2) with plain loops; episode ends cut the trace."""
+    T, N = rewards.shape
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    logprobs = np.take_along_axis(log_probs, actions[..., None], -1)[..., 0]
+    entropy = -(np.exp(log_probs) * log_probs).sum(-1)
+    rhos = np.exp(logprobs - behaviour_logprobs)
+    next_values = np.concatenate([values[1:], bootstrap_value[None]])
+    vs = np.zeros((T, N))
+    pg_advantages = np.zeros((T, N))
+    for n in range(N):
+        correction = 0.0  # vs_{s+1} - V(x_{s+1})
+        for s in reversed(range(T)):
+            ended = terminations[s, n] or truncations[s, n]
+            discount = 0.0 if terminations[s, n] else gamma
+            delta = min(rho_bar, rhos[s, n]) * (rewards[s, n] + discount * next_values[s, n] - values[s, n])
+            c = 0.0 if ended else min(c_bar, rhos[s, n])
+            correction = delta + discount * c * correction
+            vs[s, n] = values[s, n] + correction
+        for s in range(T):
+            ended = terminations[s, n] or truncations[s, n]
+            discount = 0.0 if terminations[s, n] else gamma
+            next_target = next_values[s, n] if ended or s == T - 1 else vs[s + 1, n]
+            pg_advantages[s, n] = min(rho_bar, rhos[s, n]) * (rewards[s, n] + discount * next_target - values[s, n])
+    weights = valid / valid.sum()
+    return ((-pg_advantages * logprobs * weights).sum(), (0.5 * (vs - values) ** 2 * weights).sum(),
+            (entropy * weights).sum(), (((rhos - 1) - np.log(rhos)) * weights).sum())
+
+
+@pytest.mark.parametrize("c_bar", [1.0, 0.7])
+def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
+    rng = np.random.default_rng(3)
+    T, N, A = 12, 5, 3
+    logits = rng.normal(size=(T, N, A)).astype(np.float32)
+    values = rng.normal(size=(T, N)).astype(np.float32)
+    bootstrap_value = rng.normal(size=N).astype(np.float32)
+    actions = rng.integers(0, A, size=(T, N))
+    behaviour_logprobs = np.log(rng.uniform(0.1, 0.9, size=(T, N))).astype(np.float32)  # rhos above and below 1
+    rewards = rng.normal(size=(T, N)).astype(np.float32)
+    terminations = (rng.random((T, N)) < 0.15).astype(np.float32)
+    truncations = ((rng.random((T, N)) < 0.15) & (terminations == 0)).astype(np.float32)
+    valid = np.ones((T, N), bool)
+    valid[1:] = (terminations[:-1] == 0) & (truncations[:-1] == 0)  # envpool's reset steps
+    ours = impala.vtrace_loss_terms(jnp.asarray(logits), jnp.asarray(values), jnp.asarray(bootstrap_value),
+                                    jnp.asarray(actions), jnp.asarray(behaviour_logprobs), jnp.asarray(rewards),
+                                    jnp.asarray(terminations), jnp.asarray(truncations), jnp.asarray(valid),
+                                    jnp.float32(valid.sum()), 0.99, 1.0, c_bar)
+    expected = vtrace_losses_numpy(logits.astype(np.float64), values, bootstrap_value, actions, behaviour_logprobs,
+                                   rewards, terminations, truncations, valid, 0.99, 1.0, c_bar)
+    np.testing.assert_allclose([float(x) for x in ours], expected, rtol=2e-4, atol=1e-5)
+
+
+CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "20", "--num-minibatches", "1",
+            "--hiddens", "64", "64", "--learning-rate", "1e-3", "--actor-device-ids", "0", "--learner-device-ids", "1"]
+
+
+def test_cartpole_reaches_300_within_200k_steps(workdir):
+    run = run_script([*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "200000", "--log-frequency", "100"],
+                     workdir, script=IMPALA_SCRIPT, timeout=400)
+    assert run.returncode == 0, run.stderr
+    best_step, best = max(run.scalars()["charts/avg_episodic_return"], key=lambda step_value: step_value[1])
+    assert best >= 300, f"best average return {best:.1f} at step {best_step}"
+
+
+def test_same_seed_same_run(workdir):
+    flags = [*CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "9600", "--seed", "3"]
+    first, second = (run_script(flags, workdir, name, script=IMPALA_SCRIPT) for name in ["first", "second"])
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    a, b = first.scalars(), second.scalars()
+    for tag in ["losses/loss", "losses/policy_loss", "losses/value_loss", "charts/avg_episodic_return"]:
+        assert a[tag] == b[tag], tag
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--vtrace-c-bar", "1.5"], "--vtrace-c-bar must be in (0, 1]"),
+    (["--vtrace-rho-bar", "0"], "--vtrace-rho-bar must be positive"),
+    (["--local-num-envs", "5", "--num-minibatches", "4"], "--num-minibatches (4) must divide the trajectories"),
+], ids=["c-bar", "rho-bar", "minibatches"])
+def test_bad_input_is_one_clear_line(workdir, flags, message):
+    run = run_script(flags, workdir, script=IMPALA_SCRIPT, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().startswith(f"error: {message}"), run.stderr
