@@ -94,3 +94,17 @@ def start_processes(args: list[str], cwd: Path, num_processes: int, run_name: st
 @pytest.fixture
 def workdir(tmp_path) -> Path:
     return tmp_path
+
+
+# PPO on CartPole-v1 as in the README: CleanRL's classic-control network (two 64-unit tanh layers), clip 0.2
+CARTPOLE_PPO = ["--env-id", "CartPole-v1", "--num-steps", "128", "--hiddens", "64", "64", "--clip-coef", "0.2",
+                "--learning-rate", "1e-3"]
+CARTPOLE_LEARNING = [*CARTPOLE_PPO, "--num-actor-threads", "1", "--actor-device-ids", "0", "--learner-device-ids", "1",
+                     "--total-timesteps", "250000", "--log-frequency", "50"]
+
+
+@pytest.fixture(scope="session")
+def cartpole_learning_run(tmp_path_factory) -> Run:
+    """One 250k-step PPO CartPole run with 8 envs in one process, shared by the tests that need it."""
+    return run_script([*CARTPOLE_LEARNING, "--local-num-envs", "8"], tmp_path_factory.mktemp("cartpole"), "one",
+                      timeout=400)

@@ -94,22 +94,23 @@ def test_resume_needs_a_run_name(workdir):
 
 
 def test_truncated_and_foreign_checkpoints_are_rejected_with_one_line(workdir):
-    finished = run_script(CARTPOLE, workdir, "run")
+    finished = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")  # 3 updates: checkpoint 3
     assert finished.returncode == 0, finished.stderr
     # a checkpoint from another network size
-    foreign = run_script([*CARTPOLE, "--hiddens", "32", "--resume"], workdir, "run", timeout=120)
+    foreign = run_script([*CARTPOLE, "--total-timesteps", "768", "--hiddens", "32", "--resume"], workdir, "run",
+                         timeout=120)
     assert foreign.returncode == 2
     assert foreign.stderr.strip().splitlines()[-1].startswith(
-        f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/12 was made with --hiddens [16], this run has [32]")
+        f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/3 was made with --hiddens [16], this run has [32]")
     # a truncated file inside the newest checkpoint
-    data_files = [p for p in (workdir / "runs" / "run" / "checkpoints" / "12").rglob("*") if p.is_file()
+    data_files = [p for p in (workdir / "runs" / "run" / "checkpoints" / "3").rglob("*") if p.is_file()
                   and p.stat().st_size > 1000]
     for path in data_files:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    truncated = run_script([*CARTPOLE, "--resume"], workdir, "run", timeout=120)
+    truncated = run_script([*CARTPOLE, "--total-timesteps", "768", "--resume"], workdir, "run", timeout=120)
     assert truncated.returncode == 2, truncated.stdout + truncated.stderr
     error = truncated.stderr.strip().splitlines()[-1]
-    assert error.startswith(f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/12 cannot be read"), error
+    assert error.startswith(f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/3 cannot be read"), error
     assert "Traceback" not in truncated.stderr
 
 

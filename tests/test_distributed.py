@@ -4,7 +4,7 @@ import re
 import signal
 import time
 
-from conftest import read_scalars, run_script, start_processes
+from conftest import CARTPOLE_LEARNING, read_scalars, run_script, start_processes
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--num-steps", "32", "--hiddens", "16", "--num-actor-threads", "1",
             "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
@@ -54,17 +54,15 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
                 process.communicate()
 
 
-def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir):
-    learning = ["--num-steps", "128", "--hiddens", "64", "64", "--clip-coef", "0.2", "--learning-rate", "1e-3",
-                "--env-id", "CartPole-v1", "--num-actor-threads", "1", "--learner-device-ids", "1",
-                "--total-timesteps", "250000", "--log-frequency", "50"]
-    one = run_script([*learning, "--local-num-envs", "8"], workdir, "one", timeout=400)
+def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir, cartpole_learning_run):
+    one = cartpole_learning_run  # 1 process x 8 envs
     assert one.returncode == 0, one.stderr
-    results = finish(start_processes([*learning, "--local-num-envs", "4"], workdir, 2, run_name="two"), timeout=600)
+    results = finish(start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"),
+                     timeout=600)
     assert all(returncode == 0 for returncode, _, _ in results), results[0][2] + results[1][2]
-    for run_name in ["one", "two"]:
-        returns = [value for _, value in read_scalars(workdir / "runs" / run_name)["charts/avg_episodic_return"]]
-        assert max(returns) >= 400, f"{run_name}: best average return {max(returns):.0f}"
+    for run_dir in [one.run_dir, workdir / "runs" / "two"]:
+        returns = [value for _, value in read_scalars(run_dir)["charts/avg_episodic_return"]]
+        assert max(returns) >= 400, f"{run_dir.name}: best average return {max(returns):.0f}"
 
 
 def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):

@@ -1,15 +1,10 @@
 """The very script users run for Atari learns on CartPole-v1, and a seed fixes the whole run."""
 
-from conftest import run_script
-
-# CleanRL's classic-control network (two 64-unit tanh layers) and clip 0.2, with a larger learning rate
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "128", "--hiddens", "64", "64",
-            "--clip-coef", "0.2", "--learning-rate", "1e-3", "--actor-device-ids", "0", "--learner-device-ids", "1"]
+from conftest import CARTPOLE_PPO, run_script
 
 
-def test_cartpole_reaches_400_within_250k_steps(workdir):
-    run = run_script([*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "250000", "--log-frequency", "50"],
-                     workdir, timeout=400)
+def test_cartpole_reaches_400_within_250k_steps(cartpole_learning_run):
+    run = cartpole_learning_run
     assert run.returncode == 0, run.stderr
     returns = run.scalars()["charts/avg_episodic_return"]
     best_step, best = max(returns, key=lambda step_value: step_value[1])
@@ -18,7 +13,8 @@ def test_cartpole_reaches_400_within_250k_steps(workdir):
 
 def test_same_seed_same_run(workdir):
     # two actor threads and two learner devices: thread scheduling must not leak into the results
-    flags = [*CARTPOLE[:-1], "1", "2", "--num-actor-threads", "2", "--total-timesteps", "16384", "--seed", "7"]
+    flags = [*CARTPOLE_PPO, "--learner-device-ids", "1", "2", "--num-actor-threads", "2", "--local-num-envs", "8",
+             "--total-timesteps", "8192", "--seed", "7"]
     first, second = run_script(flags, workdir, "first"), run_script(flags, workdir, "second")
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = first.scalars(), second.scalars()
