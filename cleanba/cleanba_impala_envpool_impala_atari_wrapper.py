@@ -771,21 +771,23 @@ def main(args: Args):
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
         return action, logprob, key
 
-    def params_for(device):
-        # a copy of our shard of the replicated (possibly multi-process) params on the actor device; a copy
-        # even when actor and learner share a device, since the learner donates its buffers to the update
-        return jax.device_put(jax.tree.map(lambda x: x.addressable_shards[0].data, agent_state.params), device,
-                              may_alias=False)
+    def params_for_actor_devices() -> dict:
+        # one copy of our shard of the replicated (possibly multi-process) params per actor device, shared by
+        # its threads; a copy even when actor and learner share a device, since the learner donates its buffers
+        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, agent_state.params)
+        return {device: jax.device_put(local_params, device, may_alias=False) for device in actor_devices}
 
     stop_event = threading.Event()
     actor_errors: list = []
-    params_queues, rollout_queues, actor_threads = [], [], []
+    params_queues, rollout_queues, actor_threads, params_queue_devices = [], [], [], []
+    actor_params = params_for_actor_devices()
     for device_index, actor_device in enumerate(actor_devices):
         for thread_id in range(args.num_actor_threads):
             thread_index = device_index * args.num_actor_threads + thread_id
             params_queues.append(queue.Queue(maxsize=1))
             rollout_queues.append(queue.Queue(maxsize=1))
-            params_queues[-1].put((params_for(actor_device), start_update))
+            params_queues[-1].put((actor_params[actor_device], start_update))
+            params_queue_devices.append(actor_device)
             thread = threading.Thread(
                 target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
                 args=(rollout, actor_errors, stop_event, args, thread_index, start_update, actor_key, make_envs,
@@ -819,7 +821,6 @@ def main(args: Args):
     signal.signal(signal.SIGTERM, on_preemption)
     signal.signal(signal.SIGINT, on_preemption)
     learner_policy_version = start_update
-    global_step = start_update * args.batch_size
     start_time = time.time()
     try:
         for update_index in range(start_update + 1, args.num_updates + 1):
@@ -838,7 +839,7 @@ def main(args: Args):
                 actor_stats.append(stats)
             assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
             rollout_queue_get_time = time.time() - rollout_queue_get_start
-            global_step += args.batch_size
+            global_step = update_index * args.batch_size
 
             training_start = time.time()
             storage = assemble_global_rollout(per_thread_storages, mesh, args.batch_size // args.num_steps)
@@ -850,8 +851,9 @@ def main(args: Args):
             learner_policy_version += 1
             check_actors()
             if update_index < args.num_updates:
-                for params_queue, actor_device in zip(params_queues, [d for d in actor_devices for _ in range(args.num_actor_threads)]):
-                    queue_put(params_queue, (params_for(actor_device), learner_policy_version), stop_event,
+                actor_params = params_for_actor_devices()
+                for params_queue, actor_device in zip(params_queues, params_queue_devices):
+                    queue_put(params_queue, (actor_params[actor_device], learner_policy_version), stop_event,
                               args.queue_timeout)
 
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
