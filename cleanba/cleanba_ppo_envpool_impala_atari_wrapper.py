@@ -20,6 +20,7 @@ import os
 import queue
 import random
 import re
+import resource
 import signal
 import sys
 import threading
@@ -497,6 +498,24 @@ def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local
     return base + global_thread_index * local_num_envs
 
 
+def make_actor_fns(agent: Agent):
+    """The actor's jitted inference, run on the device its inputs live on."""
+
+    @jax.jit
+    def get_action_and_value(params, obs, key):
+        logits, value = agent.apply(params, obs)
+        key, subkey = jax.random.split(key)
+        action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
+        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        return action, logprob, value, key
+
+    @jax.jit
+    def get_value(params, obs):
+        return agent.apply(params, obs)[1]
+
+    return get_action_and_value, get_value
+
+
 def rollout(
     args: Args,
     thread_index: int,
@@ -606,6 +625,28 @@ def actor_thread_main(target, errors: list, stop_event: threading.Event, *target
     except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
         errors.append(error)
         stop_event.set()
+
+
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
+    """The network for --env-id and its training state (params and optimizer), on the host."""
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, TrainState.create(
+        apply_fn=None,
+        params=agent.init(key, np.zeros((1, *obs_space.shape), obs_space.dtype)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+        ),
+    )
 
 
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
@@ -740,27 +781,9 @@ def main(args: Args):
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
 
     make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)()
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
-    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
-
-    def linear_schedule(count):
-        # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
-        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
-        return args.learning_rate * frac
-
-    replicated_sharding = NamedSharding(mesh, P())
-    agent_state = TrainState.create(
-        apply_fn=None,
-        params=agent.init(agent_key, np.zeros((1, *obs_space.shape), obs_space.dtype)),
-        tx=optax.chain(
-            optax.clip_by_global_norm(args.max_grad_norm),
-            optax.inject_hyperparams(optax.adam)(
-                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
-        ),
-    )
+    agent, agent_state = make_agent(args, agent_key)
     # from host values, identical in every process, to one replicated global array per leaf
-    agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
+    agent_state = jax.device_put(jax.device_get(agent_state), NamedSharding(mesh, P()))
     update = make_learner_fns(args, agent, mesh)
 
     checkpoint_manager = ocp.CheckpointManager(
@@ -786,17 +809,7 @@ def main(args: Args):
             writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
                             + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
 
-    @jax.jit
-    def get_action_and_value(params, obs, key):
-        logits, value = agent.apply(params, obs)
-        key, subkey = jax.random.split(key)
-        action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
-        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        return action, logprob, value, key
-
-    @jax.jit
-    def get_value(params, obs):
-        return agent.apply(params, obs)[1]
+    get_action_and_value, get_value = make_actor_fns(agent)
 
     def params_for_actor_devices() -> dict:
         # one copy of our shard of the replicated (possibly multi-process) params per actor device, shared by
@@ -902,6 +915,8 @@ def main(args: Args):
                 "stats/learner_policy_version": trained_policy_version,
                 "stats/rollout_queue_get_time": rollout_queue_get_time,
                 "stats/training_time": training_time,
+                # the process's peak resident memory so far (ru_maxrss is in KiB on Linux, bytes on macOS)
+                "stats/peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10),
             }
             for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
                          "rollout_queue_put_time"]:

@@ -1,0 +1,263 @@
+"""Where the time goes: each stage of a cleanba script alone, then the whole script, in one session.
+
+For one script and one config (the script's own flags, after `--`) this measures
+  env        envpool alone: one actor thread's envs stepped with random actions (same envpool settings)
+  inference  the actor's jitted policy alone, on the actor device, on real observations (incl. device_get)
+  learner    one learner update alone, on a stored rollout, on the learner devices
+  actor      one actor thread alone (the script's `rollout`: env + inference + storage + transfer)
+  full       the script itself, as a user runs it (a subprocess), steady state: after --warmup-updates
+and prints samples/s for each (median of the repeats, and the spread min..max), the serial ceiling
+1 / (t_env + t_inference + t_learner) in seconds per sample, and the full run's fraction of it. With actor and
+learner on separate accelerators the stages can overlap: then min(...) of the three rates is the ceiling, also
+printed (on a CPU the fake devices share the same cores, so the serial ceiling is the one that applies).
+The full run also reports peak RSS (the script's `stats/peak_rss_mib`) at update 10 and at its last update.
+
+usage (from the repository root):
+  uv run python benchmark/throughput.py --script cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py \\
+      -- --env-id CartPole-v1 --local-num-envs 8 --num-actor-threads 1 --hiddens 64 64 \\
+         --actor-device-ids 0 --learner-device-ids 1
+  add --json FILE to append the results as one JSON line (benchmark/throughput.sh collects them).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import tyro
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class HarnessArgs:
+    script: Path = REPO / "cleanba" / "cleanba_ppo_envpool_impala_atari_wrapper.py"
+    """the cleanba script to measure"""
+    repeats: int = 5
+    """repeats of each stage measurement (the table shows the median and the spread)"""
+    stage_rollouts: int = 3
+    """rollouts (of --num-steps steps each) per env/inference/actor measurement"""
+    full_repeats: int = 3
+    """how many times the full script runs"""
+    full_updates: int = 60
+    """updates per full run (>= 200 to check the growth of peak RSS from update 10 to 200)"""
+    warmup_updates: int = 3
+    """updates of each full run left out of its steady-state SPS (compilation happens there)"""
+    json: Path | None = None
+    """append the results as one JSON line to this file"""
+    summarize: Path | None = None
+    """print the JSON lines of this file as a markdown table (for the README) and exit"""
+
+
+def load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def spread(rates: list[float]) -> dict:
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "n": len(rates)}
+
+
+def timed_rates(measure, samples: int, repeats: int) -> dict:
+    """samples/s of `measure()` (which does `samples` samples of work), after one untimed warm-up call."""
+    measure()
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        measure()
+        rates.append(samples / (time.perf_counter() - start))
+    return spread(rates)
+
+
+def set_runtime_args(args, total_updates: int):
+    """What the script's main derives for one process (the harness runs the stages in one process)."""
+    args.world_size, args.local_rank = 1, 0
+    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * len(args.actor_device_ids)
+    args.batch_size = args.local_batch_size
+    args.num_updates = total_updates
+    args.global_learner_device_ids = list(args.learner_device_ids)
+
+
+def measure_stages(module, args, harness: HarnessArgs) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = jax.local_devices()
+    actor_device = devices[args.actor_device_ids[0]]
+    learner_devices = [devices[i] for i in args.learner_device_ids]
+    mesh = Mesh(np.array(learner_devices), ("batch",))
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    rollout_samples = num_envs * num_steps * harness.stage_rollouts
+    results = {}
+
+    # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
+    envs = module.make_env(args.env_id, args.seed, num_envs)()
+    action_space = envs.action_space
+    action_space.seed(args.seed)
+    random_actions = np.stack([np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(num_steps)])
+    first_obs, _ = envs.reset()
+    observations = []
+
+    def step_envs():
+        observations.clear()
+        for step in range(num_steps * harness.stage_rollouts):
+            obs, *_ = envs.step(random_actions[step % num_steps])
+            observations.append(obs)
+
+    results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
+
+    # inference: the actor's per-step call, as `rollout` makes it
+    agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
+    actor_fns = module.make_actor_fns(agent)
+    actor_fns = actor_fns if isinstance(actor_fns, tuple) else (actor_fns,)  # the first acts, once per env step
+    params = jax.device_put(agent_state.params, actor_device)
+    key = jax.device_put(jax.random.key(args.seed), actor_device)
+
+    def infer():
+        nonlocal key
+        for obs in observations:
+            *outputs, key = actor_fns[0](params, obs, key)
+            jax.device_get(outputs)
+
+    results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
+
+    # actor: the script's own actor thread function for stage_rollouts rollouts, the learner replaced by queues
+    def run_actor(rollouts: int):
+        args.num_updates = rollouts
+        params_queue, rollout_queue, stop_event = queue.Queue(), queue.Queue(), threading.Event()
+        for version in range(rollouts):
+            params_queue.put((params, version))
+        module.rollout(args, 0, 0, jax.random.key(args.seed), lambda seed: envs, actor_device, learner_devices,
+                       params_queue, rollout_queue, stop_event, *actor_fns)
+        return [rollout_queue.get()[0] for _ in range(rollouts)]
+
+    stored_rollout = run_actor(1)[0]  # also compiles
+    actor_rates = []
+    for _ in range(harness.repeats):
+        start = time.perf_counter()
+        run_actor(harness.stage_rollouts)
+        actor_rates.append(rollout_samples / (time.perf_counter() - start))
+    results["actor"] = spread(actor_rates)
+
+    # learner: one update of the global batch (every actor thread's rollout: here copies of the stored one)
+    set_runtime_args(args, total_updates=10**6)
+    update = module.make_learner_fns(args, agent, mesh)
+    threads = args.num_actor_threads * len(args.actor_device_ids)
+    storage = module.assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
+    learner_state = jax.device_put(agent_state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    learner_key = jax.random.key(args.seed)
+
+    def learn():
+        nonlocal learner_state, learner_key
+        learner_state, metrics, learner_key = update(learner_state, storage, learner_key)
+        jax.block_until_ready((learner_state, metrics))
+
+    results["learner"] = timed_rates(learn, args.batch_size, harness.repeats)
+    return results
+
+
+def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: int) -> dict:
+    """The script as a user runs it; steady-state SPS from the wall times of its TensorBoard events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rates, rss_at_10, rss_last = [], [], []
+    for repeat in range(harness.full_repeats):
+        with tempfile.TemporaryDirectory() as cwd:
+            command = [sys.executable, str(harness.script), *script_args, "--run-name", f"throughput{repeat}",
+                       "--total-timesteps", str(batch_size * harness.full_updates), "--log-frequency", "1000000",
+                       "--checkpoint-frequency", "0"]
+            completed = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
+                                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+            if completed.returncode != 0:
+                sys.exit(f"error: the full run failed ({completed.returncode}):\n{completed.stderr[-2000:]}")
+            accumulator = EventAccumulator(str(Path(cwd) / "runs" / f"throughput{repeat}"),
+                                           size_guidance={"scalars": 0})
+            accumulator.Reload()
+            events = accumulator.Scalars("charts/SPS")
+            first, last = events[harness.warmup_updates - 1], events[-1]
+            rates.append((last.step - first.step) / (last.wall_time - first.wall_time))
+            rss = [event.value for event in accumulator.Scalars("stats/peak_rss_mib")]
+            rss_at_10.append(rss[min(9, len(rss) - 1)])
+            rss_last.append(rss[-1])
+    return {**spread(rates), "peak_rss_mib_update_10": max(rss_at_10), "peak_rss_mib_last": max(rss_last),
+            "updates": harness.full_updates}
+
+
+def print_table(results: dict, platform: str, separate_devices: bool):
+    def row(name, stats, note=""):
+        print(f"{name:<28}{stats['median']:>12,.0f}{1e6 / stats['median']:>12,.1f}   "
+              f"{stats['min']:>9,.0f} .. {stats['max']:<9,.0f}{note}")
+
+    print(f"{'stage':<28}{'samples/s':>12}{'us/sample':>12}   {'spread (min .. max)':<22}")
+    for name, label in [("env", "env (random actions)"), ("inference", "inference (actor device)"),
+                        ("learner", "learner (one update)"), ("actor", "actor thread alone")]:
+        row(label, results[name])
+    ceiling = results["serial_ceiling"]
+    print(f"{'serial ceiling':<28}{ceiling:>12,.0f}{1e6 / ceiling:>12,.1f}   1/(t_env + t_inference + t_learner)")
+    row("full script (steady state)", results["full"], f"  {results['fraction_of_serial_ceiling']:.0%} of the serial "
+        "ceiling")
+    overlapped = results["overlapped_ceiling"]
+    note = "" if separate_devices and platform != "cpu" else " (not reachable here: the devices share the CPU cores)"
+    print(f"{'overlapped ceiling':<28}{overlapped:>12,.0f}{1e6 / overlapped:>12,.1f}   min of the three{note}")
+    full = results["full"]
+    print(f"peak RSS: {full['peak_rss_mib_update_10']:,.0f} MiB at update 10, {full['peak_rss_mib_last']:,.0f} MiB at "
+          f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})")
+
+
+def summarize(path: Path):
+    """One markdown row per measured config: samples/s of each stage, ceiling, full run, fraction, peak RSS."""
+    print("| script | config | env | inference | learner | serial ceiling | full | of ceiling | peak RSS (MiB) |")
+    print("|-|-|-|-|-|-|-|-|-|")
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        config = " ".join(r["args"])
+        for flag in ["--actor-device-ids 0 ", "--learner-device-ids 1 ", "--learner-device-ids 1"]:
+            config = config.replace(flag, "")
+        rates = " | ".join(f"{r[stage]['median']:,.0f}" for stage in ["env", "inference", "learner"])
+        print(f"| {r['script'].split('_')[1]} | `{config.strip()}` | {rates} | {r['serial_ceiling']:,.0f} | "
+              f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} | {r['full']['peak_rss_mib_last']:,.0f} |")
+
+
+def main():
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    harness = tyro.cli(HarnessArgs, args=argv[:split])
+    if harness.summarize:
+        return summarize(harness.summarize)
+    script_args = argv[split + 1 :]
+    module = load_script(harness.script)
+    args = tyro.cli(module.Args, args=script_args)
+    module.validate_args(args)
+    module.ensure_host_devices(args)  # before JAX starts its backend
+    import jax
+
+    set_runtime_args(args, total_updates=1)
+    print(f"{harness.script.name} {' '.join(script_args)}")
+    print(f"{jax.local_devices()[0].platform}: {jax.local_device_count()} device(s), {os.cpu_count()} cores, "
+          f"batch {args.batch_size} samples/update")
+    results = measure_stages(module, args, harness)
+    results["full"] = measure_full_run(harness, script_args, args.batch_size)
+    rates = [results[name]["median"] for name in ["env", "inference", "learner"]]
+    results["serial_ceiling"] = 1 / sum(1 / rate for rate in rates)
+    results["overlapped_ceiling"] = min(rates)
+    results["fraction_of_serial_ceiling"] = results["full"]["median"] / results["serial_ceiling"]
+    separate_devices = not set(args.actor_device_ids) & set(args.learner_device_ids)
+    print_table(results, jax.local_devices()[0].platform, separate_devices)
+    if harness.json:
+        with open(harness.json, "a") as f:
+            f.write(json.dumps({"script": harness.script.name, "args": script_args, **results}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmark/throughput.py: every stage is measured on the script's own functions and the table adds up."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, script_env
+
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8",
+                 "--num-actor-threads", "1", "--num-minibatches", "2", "--actor-device-ids", "0",
+                 "--learner-device-ids", "1"]
+
+
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
+def test_stage_table_and_json(script, workdir):
+    results_file = workdir / "results.jsonl"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--script", str(script), "--repeats", "2",
+         "--stage-rollouts", "1", "--full-repeats", "1", "--full-updates", "12", "--warmup-updates", "2",
+         "--json", str(results_file), "--", *TINY_CARTPOLE],
+        cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    for row in ["env (random actions)", "inference (actor device)", "learner (one update)", "actor thread alone",
+                "serial ceiling", "full script (steady state)", "overlapped ceiling", "peak RSS"]:
+        assert row in completed.stdout
+    results = json.loads(results_file.read_text())
+    rates = {stage: results[stage]["median"] for stage in ["env", "inference", "learner", "actor", "full"]}
+    assert all(rate > 0 for rate in rates.values()), rates
+    for stage in ["env", "inference", "learner", "actor"]:
+        assert results[stage]["n"] == 2 and results[stage]["min"] <= rates[stage] <= results[stage]["max"]
+    # the serial ceiling is the harmonic combination of the three stages, below each of them
+    assert results["serial_ceiling"] == pytest.approx(1 / sum(1 / rates[s] for s in ["env", "inference", "learner"]))
+    assert results["serial_ceiling"] < min(rates["env"], rates["inference"], rates["learner"])
+    assert results["overlapped_ceiling"] == min(rates["env"], rates["inference"], rates["learner"])
+    assert results["fraction_of_serial_ceiling"] == pytest.approx(rates["full"] / results["serial_ceiling"])
+    assert 0 < results["full"]["peak_rss_mib_update_10"] <= results["full"]["peak_rss_mib_last"]
+
+
+def test_bad_script_flags_fail_with_the_scripts_message(workdir):
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--", *TINY_CARTPOLE, "--num-minibatches", "3"],
+        cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines()[-1].startswith("error: --num-minibatches")
