@@ -500,7 +500,8 @@ def make_actor_fns(agent: Agent):
         key, subkey = jax.random.split(key)
         action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        return action, logprob, key
+        # one array: one device-to-host copy per env step instead of two (float32 holds action ids exactly)
+        return jnp.stack([action.astype(jnp.float32), logprob]), key
 
     return get_action
 
@@ -555,8 +556,9 @@ def rollout(
             if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
                 raise RunStopped
             inference_start = time.time()
-            action, logprob, key = get_action(params, next_obs, key)
-            action, logprob = jax.device_get((action, logprob))
+            action_logprob, key = get_action(params, next_obs, key)
+            action, logprob = np.asarray(action_logprob)
+            action = action.astype(np.int32)
             env_step_start = time.time()
             inference_time += env_step_start - inference_start
             step_obs, reward, terminated, truncated, info = envs.step(action)

@@ -507,7 +507,8 @@ def make_actor_fns(agent: Agent):
         key, subkey = jax.random.split(key)
         action = jax.random.categorical(subkey, logits)  # Gumbel-max sampling on the actor device
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        return action, logprob, value, key
+        # one array: one device-to-host copy per env step instead of three (float32 holds action ids exactly)
+        return jnp.stack([action.astype(jnp.float32), logprob, value]), key
 
     @jax.jit
     def get_value(params, obs):
@@ -568,8 +569,9 @@ def rollout(
             if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
                 raise RunStopped
             inference_start = time.time()
-            action, logprob, value, key = get_action_and_value(params, next_obs, key)
-            action, logprob, value = jax.device_get((action, logprob, value))
+            action_logprob_value, key = get_action_and_value(params, next_obs, key)
+            action, logprob, value = np.asarray(action_logprob_value)
+            action = action.astype(np.int32)
             env_step_start = time.time()
             inference_time += env_step_start - inference_start
             step_obs, reward, terminated, truncated, info = envs.step(action)
