@@ -75,7 +75,7 @@ def main(args: Args) -> int:
     axes.set_ylabel(args.ylabel)
     axes.set_title(args.title, fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left")
+    axes.legend(fontsize=8, loc="lower right")
     figure.savefig(args.output, dpi=120, bbox_inches="tight")
     print(f"figure written to {args.output}")
     return 0
