@@ -16,6 +16,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_p
 REPO = Path(__file__).resolve().parent.parent
 PPO_SCRIPT = REPO / "cleanba" / "cleanba_ppo_envpool_impala_atari_wrapper.py"
 IMPALA_SCRIPT = REPO / "cleanba" / "cleanba_impala_envpool_impala_atari_wrapper.py"
+MUJOCO_SCRIPT = REPO / "cleanba" / "cleanba_ppo_continuous_action_envpool_mujoco.py"
 # JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The one
 # exception is third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated
 # jax.core attribute at import time; the filter names that module only.
@@ -25,6 +26,9 @@ SUBPROCESS_WARNINGS = ("error::DeprecationWarning,"
 TINY_BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-steps", "8", "--channels", "4",
                  "--hiddens", "16", "--num-minibatches", "2", "--log-frequency", "1"]
 TINY_BREAKOUT_PPO = [*TINY_BREAKOUT, "--update-epochs", "1"]
+# tiny MuJoCo settings: a few updates of 8-unit MLPs on HalfCheetah-v4
+TINY_HALFCHEETAH = ["--env-id", "HalfCheetah-v4", "--local-num-envs", "2", "--num-steps", "16", "--hiddens", "8",
+                    "--num-minibatches", "2", "--update-epochs", "2", "--log-frequency", "1"]
 
 
 def load_script(path: Path = PPO_SCRIPT):

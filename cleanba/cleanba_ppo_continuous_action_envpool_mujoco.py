@@ -1,0 +1,998 @@
+"""Sebulba PPO (Hessel et al. 2021, "Podracer architectures") with a Gaussian policy for envpool MuJoCo.
+
+One file, read top to bottom: imports, `Args`, env factory, networks, pure functions (running
+statistics, advantage estimation, losses), the actor thread, the learner update, `main`.
+
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
+own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
+learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
+learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
+skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
+behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
+data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
+gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+
+Continuous control as in CleanRL's ppo_continuous_action (Huang et al. 2022): diagonal Gaussian with a
+state-independent log-std, actions clipped to the bounds by the env step only, separate 64x64 tanh MLPs,
+observation and reward normalization with running statistics that belong to the training state: they travel
+with the params to the actors, the learner updates them from every rollout (merged over all learner devices).
+"""
+
+import glob
+import hashlib
+import json
+import os
+import queue
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import NamedTuple, Sequence
+
+import envpool
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import tyro
+from flax.training.train_state import TrainState
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    run_name: str | None = None
+    """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: str = "cleanba"
+    """the wandb's project name"""
+    wandb_entity: str | None = None
+    """the entity (team) of wandb's project"""
+    save_model: bool = False
+    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model"""
+    log_frequency: int = 10
+    """print a console line every this many updates (TensorBoard gets every update)"""
+    checkpoint_frequency: int = 100
+    """save the training state every this many updates into runs/{run_name}/checkpoints/ (0: only at the
+    end and on SIGTERM/SIGINT)"""
+    checkpoint_keep: int = 3
+    """how many of the newest checkpoints to keep"""
+    resume: bool = False
+    """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
+
+    # Algorithm specific arguments
+    env_id: str = "HalfCheetah-v4"
+    """the id of the environment: an envpool MuJoCo id (HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, ...)"""
+    total_timesteps: int = 1_000_000
+    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer (PPO paper, Table 3)"""
+    local_num_envs: int = 4
+    """the number of parallel game environments of each actor thread"""
+    num_actor_threads: int = 2
+    """the number of actor threads on each actor device"""
+    num_steps: int = 256
+    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
+    gamma: float = 0.99
+    """the discount factor gamma (PPO paper, Table 3)"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation (PPO paper, Table 3)"""
+    num_minibatches: int = 32
+    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64)"""
+    update_epochs: int = 10
+    """the K epochs to update the policy (PPO paper, Table 3)"""
+    norm_adv: bool = True
+    """toggles advantages normalization (per minibatch)"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2)"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo)"""
+    vf_coef: float = 0.5
+    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping (baselines' PPO2)"""
+    hiddens: list[int] = field(default_factory=lambda: [64, 64])
+    """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64)"""
+
+    # Sebulba: devices, threads, processes
+    actor_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids that actor threads run inference on"""
+    learner_device_ids: list[int] = field(default_factory=lambda: [0])
+    """the local device ids the data-parallel learner runs on (in every process)"""
+    concurrency: bool = True
+    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
+    distributed: bool = False
+    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
+    coordinator_address: str | None = None
+    """with --distributed outside SLURM: host:port of process 0"""
+    num_processes: int | None = None
+    """with --distributed outside SLURM: the number of processes"""
+    process_id: int | None = None
+    """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    heartbeat_timeout: int = 30
+    """with --distributed: seconds without a heartbeat after which a process counts as dead"""
+    queue_timeout: float = 1.0
+    """seconds between checks for a stopped run while waiting on a queue"""
+
+    # to be filled in runtime
+    local_batch_size: int = 0
+    """steps per update collected by this process"""
+    batch_size: int = 0
+    """steps per update over all processes"""
+    num_updates: int = 0
+    """the number of learner updates"""
+    world_size: int = 0
+    """the number of processes"""
+    local_rank: int = 0
+    """this process's index"""
+    global_learner_device_ids: list[int] = field(default_factory=list)
+    """ids (jax.devices()) of the learner devices of all processes"""
+
+
+def fail(message: str):
+    """Bad input: one line naming the flag and what is allowed, exit code 2 (like argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend."""
+    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
+                 "total_timesteps", "log_frequency", "checkpoint_keep"]:
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ["learning_rate", "queue_timeout", "heartbeat_timeout"]:
+        if not getattr(args, name) > 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(args, name) <= 1:
+            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if not args.hiddens or min(args.hiddens) <= 0:
+        fail(f"--hiddens must be one or more positive integers, got {args.hiddens}")
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        ids = getattr(args, name)
+        if not ids:
+            fail(f"--{name.replace('_', '-')} needs at least one device id")
+        if min(ids) < 0:
+            fail(f"--{name.replace('_', '-')} must be non-negative device ids, got {ids}")
+        if len(set(ids)) != len(ids):
+            fail(f"--{name.replace('_', '-')} has duplicate device ids: {ids}")
+    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
+    if env_family != "envpool.mujoco.gym" or hasattr(envpool.make_spec(args.env_id).action_space, "n"):
+        fail(f"--env-id {args.env_id!r} is not supported: use an envpool MuJoCo id with continuous actions "
+             "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
+    if args.local_num_envs % len(args.learner_device_ids) != 0:
+        fail(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+             f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
+    envs_per_learner_device = (len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs
+                               // len(args.learner_device_ids))
+    if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
+        fail(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+             f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
+    if args.checkpoint_frequency < 0:
+        fail(f"--checkpoint-frequency must be 0 (off) or a positive number of updates, got {args.checkpoint_frequency}")
+    if args.resume and args.run_name is None:
+        fail("--resume needs --run-name: the name of the run to continue")
+    if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
+        fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        fail(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def ensure_host_devices(args: Args):
+    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
+
+    The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
+    already set in XLA_FLAGS wins (appending never overwrites it); too few then fails validation.
+    """
+    needed = max(args.actor_device_ids + args.learner_device_ids) + 1
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+
+
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
+    """envpool's MuJoCo task as it is: normalization belongs to the training loop (learned statistics)."""
+    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode)
+
+
+class MLP(nn.Module):
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    """Gaussian policy (mean from an MLP, state-independent log-std parameter) and value, with separate
+    actor and critic MLPs as in baselines' PPO2 for MuJoCo and CleanRL's ppo_continuous_action."""
+
+    action_dim: int
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, obs):
+        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
+        return action_mean, action_logstd, value.squeeze(-1)
+
+
+class Rollout(NamedTuple):
+    """One actor thread's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1.
+    `obs` are the network's inputs, normalized with the statistics of the params version that acted (so the
+    learner's probability ratios compare like with like); `raw_obs` and the raw rewards update the statistics."""
+
+    obs: np.ndarray
+    raw_obs: np.ndarray
+    actions: np.ndarray  # the unclipped Gaussian samples, (time, envs, action_dim)
+    logprobs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    discounted_returns: np.ndarray  # per env, reset at episode ends: their std scales the rewards
+    terminations: np.ndarray
+    truncations: np.ndarray
+    valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
+    bootstrap_value: np.ndarray  # (1, envs): V(obs after the last step)
+
+
+class RunningMeanStd(NamedTuple):
+    """Mean, variance and count of a stream of samples (per feature); mergeable, shard by shard."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+
+def merge_running_stats(a: RunningMeanStd, b: RunningMeanStd) -> RunningMeanStd:
+    """The statistics of the union of two samples, from theirs (Chan, Golub and LeVeque 1979)."""
+    count, delta = a.count + b.count, b.mean - a.mean
+    mean = a.mean + delta * b.count / count
+    sum_of_squares = a.var * a.count + b.var * b.count + delta**2 * a.count * b.count / count
+    return RunningMeanStd(mean, sum_of_squares / count, count)
+
+
+def batch_running_stats(x, weights, axis_name: str | None = None) -> RunningMeanStd:
+    """Statistics of the samples x (first axis) with 0/1 weights; with axis_name (inside shard_map), of the samples
+    of all devices: counts and sums are psum-ed, so every device gets those of the whole batch."""
+    psum = (lambda v: jax.lax.psum(v, axis_name)) if axis_name else (lambda v: v)
+    count = psum(weights.sum(dtype=jnp.float32))
+    weights = weights.reshape(weights.shape + (1,) * (x.ndim - 1)).astype(jnp.float32)
+    mean = psum((weights * x).sum(0)) / jnp.maximum(count, 1)
+    var = psum((weights * (x - mean) ** 2).sum(0)) / jnp.maximum(count, 1)  # two passes: no cancellation
+    return RunningMeanStd(mean, var, count)
+
+
+def normalize_obs(obs_rms: RunningMeanStd, obs):
+    # standardized and clipped to [-10, 10] as in baselines' VecNormalize; Andrychowicz et al. 2021 ("What matters
+    # in on-policy RL") recommend always normalizing observations
+    return jnp.clip((obs - obs_rms.mean) / jnp.sqrt(obs_rms.var + 1e-8), -10.0, 10.0)
+
+
+def scale_rewards(return_rms: RunningMeanStd, rewards):
+    # divided by the std of the discounted return, clipped to [-10, 10]: baselines' VecNormalize, the "reward
+    # scaling" of Engstrom et al. 2020 ("Implementation matters in deep policy gradients")
+    return jnp.clip(rewards / jnp.sqrt(return_rms.var + 1e-8), -10.0, 10.0)
+
+
+class AgentState(TrainState):
+    """Params, optimizer state and the running statistics: all checkpointed, so a resumed run normalizes as before."""
+
+    obs_rms: RunningMeanStd
+    return_rms: RunningMeanStd
+
+
+def compute_gae(rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
+
+    envpool returns the true last observation of an episode together with its end flag and resets
+    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
+    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
+    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
+    transition after it is envpool's reset step (masked out of the loss by `valid`).
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    episode_ends = jnp.logical_or(terminations, truncations)
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values
+
+    def backward(next_advantage, step):
+        delta, episode_end = step
+        advantage = delta + gamma * gae_lambda * (1.0 - episode_end) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, episode_ends), reverse=True)
+    return advantages, advantages + values
+
+
+def ppo_loss_terms(new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
+                   normalizer, clip_coef, clip_vloss):
+    """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
+    E[(r - 1) - log r] (Schulman 2020), unbiased and non-negative.
+    """
+    valid = valid.astype(jnp.float32)
+    logratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(logratio)
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef))
+    if clip_vloss:
+        clipped_values = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * jnp.maximum((new_values - returns) ** 2, (clipped_values - returns) ** 2)
+    else:
+        v_loss = 0.5 * (new_values - returns) ** 2
+    approx_kl = (ratio - 1) - logratio
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def gaussian_logprob_entropy(action_mean, action_logstd, actions):
+    """Diagonal Gaussian: log-density of `actions` and entropy, summed over the (independent) action dimensions."""
+    action_logstd = jnp.broadcast_to(action_logstd, action_mean.shape)
+    z = (actions - action_mean) * jnp.exp(-action_logstd)
+    logprob = -0.5 * z**2 - action_logstd - 0.5 * jnp.log(2 * jnp.pi)
+    entropy = action_logstd + 0.5 * (1.0 + jnp.log(2 * jnp.pi))
+    return logprob.sum(-1), entropy.sum(-1)
+
+
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The agent at test time: frozen observation statistics of the model, Gaussian mean (greedy) or sample, clipped."""
+    action_space = envpool.make_spec(args.env_id).action_space
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    obs_rms = RunningMeanStd(*(np.asarray(model["obs_rms"][name], np.float32) for name in RunningMeanStd._fields))
+
+    @jax.jit
+    def act(obs, key):
+        action_mean, action_logstd, _ = agent.apply(model["params"], normalize_obs(obs_rms, obs))
+        key, subkey = jax.random.split(key)
+        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        return jnp.clip(action_mean + noise, action_space.low, action_space.high), key
+
+    def policy(obs: np.ndarray, key: jax.Array):
+        action, key = act(np.asarray(obs, np.float32), key)
+        return np.asarray(action), key
+
+    return policy
+
+
+class SummaryWriter:
+    """TensorBoard event files via the tensorboard package alone (no TF/torch), and W&B if tracked."""
+
+    def __init__(self, logdir: str, use_wandb: bool, resume_step: int):
+        """A run that starts again (resumed, or restarted after a crash) keeps what its earlier event files
+        logged up to resume_step and drops the rest, so its curves continue without duplicated steps (a step
+        logged out of order would make TensorBoard discard everything after it)."""
+        earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
+        self.event_writer = EventFileWriter(logdir)
+        for path in earlier_files:
+            for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
+                event = event_pb2.Event.FromString(record)
+                if event.HasField("summary") and resume_step > 0 and event.step <= resume_step:
+                    self.event_writer.add_event(event)
+        self.event_writer.flush()
+        for path in earlier_files:
+            os.remove(path)
+        self.use_wandb = use_wandb
+
+    def add_scalars(self, scalars: dict, step: int):
+        values = [summary_pb2.Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values)))
+        if self.use_wandb:
+            import wandb
+
+            wandb.log(scalars, step=step)
+
+    def add_text(self, tag: str, text: str):
+        tensor = tensor_pb2.TensorProto(dtype="DT_STRING", string_val=[text.encode()],
+                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[]))
+        metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
+        self.event_writer.add_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])))
+
+    def close(self):
+        self.event_writer.close()
+
+
+# flags that may differ when a run is resumed: where and how it runs, not what it computes
+RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency", "checkpoint_frequency",
+                     "checkpoint_keep", "resume", "queue_timeout", "heartbeat_timeout", "distributed",
+                     "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
+                     "local_rank", "world_size", "local_batch_size", "global_learner_device_ids"}
+
+
+def params_digest(params) -> str:
+    leaves = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params))
+    return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+
+
+def save_checkpoint(manager: ocp.CheckpointManager, update: int, agent_state: AgentState, learner_key, args: Args):
+    """The learner's whole state at an update boundary; orbax writes to a temporary folder and renames
+    it when complete, so a crash mid-write leaves no checkpoint that looks valid."""
+    start = time.time()
+    # the learner key is the same host value in every process: saved as numpy, not as a device array
+    state = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+    meta = {"args": asdict(args), "update": update, "global_step": update * args.batch_size}
+    manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    print(f"checkpoint saved: update={update} global_step={update * args.batch_size} "
+          f"params sha256={params_digest(agent_state.params)} "
+          f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))} in {time.time() - start:.2f}s",
+          flush=True)
+
+
+def restore_checkpoint(manager: ocp.CheckpointManager, agent_state: AgentState, learner_key, args: Args):
+    """The newest complete checkpoint, checked against this run's flags: (agent_state, learner_key, update)."""
+    update = manager.latest_step()
+    path = os.path.join(manager.directory, str(update))
+    try:
+        meta = manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved_args = meta["args"]
+        for name, value in asdict(args).items():
+            if name not in RESUME_MAY_CHANGE and saved_args.get(name) != value:
+                fail(f"--resume: checkpoint {path} was made with --{name.replace('_', '-')} {saved_args.get(name)}, "
+                     f"this run has {value}; use the checkpoint's value or another --run-name")
+        template = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        state = manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
+        fail(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
+             "delete it to resume from an older one")
+    return state["agent_state"], jax.random.wrap_key_data(state["learner_key"]), update
+
+
+class RunStopped(Exception):
+    """Raised inside a thread waiting on a queue when another thread has stopped the run."""
+
+
+def queue_get(q: queue.Queue, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float):
+    while True:
+        try:
+            return q.put(item, timeout=timeout)
+        except queue.Full:
+            if stop_event.is_set():
+                raise RunStopped
+
+
+def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
+    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
+    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
+    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
+    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
+    return base + global_thread_index * local_num_envs
+
+
+def rollout(
+    args: Args,
+    thread_index: int,
+    start_update: int,
+    key: jax.Array,
+    make_envs,
+    actor_device: jax.Device,
+    learner_devices: list[jax.Device],
+    params_queue: queue.Queue,
+    rollout_queue: queue.Queue,
+    stop_event: threading.Event,
+    get_action_and_value,
+    get_value,
+):
+    """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
+    global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
+    envs = make_envs(actor_env_seed(args.seed, start_update, global_thread_index, args.local_num_envs))
+    key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    obs_space, action_space = envs.observation_space, envs.action_space
+    next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
+    previous_episode_end = np.zeros(num_envs, dtype=bool)
+    discounted_return = np.zeros(num_envs, dtype=np.float32)  # of each env so far: its std scales the rewards
+    episode_returns = np.zeros(num_envs, dtype=np.float64)
+    episode_lengths = np.zeros(num_envs, dtype=np.int64)
+    returned_episode_returns = np.full(num_envs, np.nan)
+    returned_episode_lengths = np.full(num_envs, np.nan)
+    envs_per_learner_device = num_envs // len(learner_devices)
+    actor_policy_version = 0
+    rollout_queue_put_time = 0.0
+
+    for update in range(start_update + 1, args.num_updates + 1):
+        params_queue_get_start = time.time()
+        # skipping the second get makes the actor exactly one policy version behind the learner
+        if update != start_update + 2 or not args.concurrency:
+            params, actor_policy_version = queue_get(params_queue, stop_event, args.queue_timeout)
+        params_queue_get_time = time.time() - params_queue_get_start
+
+        rollout_start = time.time()
+        inference_time = env_step_time = storage_time = 0.0
+        obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32)
+        raw_obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32)
+        actions = np.empty((num_steps, num_envs, *action_space.shape), dtype=np.float32)
+        logprobs = np.empty((num_steps, num_envs), dtype=np.float32)
+        values = np.empty((num_steps, num_envs), dtype=np.float32)
+        rewards = np.empty((num_steps, num_envs), dtype=np.float32)
+        discounted_returns = np.empty((num_steps, num_envs), dtype=np.float32)
+        terminations = np.empty((num_steps, num_envs), dtype=np.float32)
+        truncations = np.empty((num_steps, num_envs), dtype=np.float32)
+        valid = np.empty((num_steps, num_envs), dtype=bool)
+        for step in range(num_steps):
+            if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
+                raise RunStopped
+            inference_start = time.time()
+            action, logprob, value, normalized_obs, key = get_action_and_value(params, next_obs, key)
+            action, logprob, value, normalized_obs = jax.device_get((action, logprob, value, normalized_obs))
+            env_step_start = time.time()
+            inference_time += env_step_start - inference_start
+            # the env gets the action clipped to its bounds; the loss keeps the sample (its log-prob is exact)
+            step_obs, reward, terminated, truncated, _ = envs.step(np.clip(action, action_space.low, action_space.high))
+            storage_start = time.time()
+            env_step_time += storage_start - env_step_start
+            obs[step], raw_obs[step], actions[step] = normalized_obs, next_obs, action
+            logprobs[step], values[step], rewards[step] = logprob, value, reward
+            terminations[step], truncations[step] = terminated, truncated
+            valid[step] = ~previous_episode_end
+            episode_end = np.logical_or(terminated, truncated)
+            discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
+            discounted_return *= ~episode_end
+            episode_returns += reward
+            episode_lengths += valid[step]  # envpool's reset step is not a step of the game
+            returned_episode_returns = np.where(episode_end, episode_returns, returned_episode_returns)
+            returned_episode_lengths = np.where(episode_end, episode_lengths, returned_episode_lengths)
+            episode_returns *= ~episode_end
+            episode_lengths *= ~episode_end
+            previous_episode_end = episode_end
+            next_obs = step_obs.astype(np.float32)
+            storage_time += time.time() - storage_start
+        inference_start = time.time()
+        bootstrap_value = np.asarray(get_value(params, next_obs))[None]
+        inference_time += time.time() - inference_start
+        rollout_time = time.time() - rollout_start
+
+        storage = Rollout(obs, raw_obs, actions, logprobs, values, rewards, discounted_returns, terminations, truncations,
+                          valid, bootstrap_value)
+        # one host-to-device transfer per rollout: each learner device gets its slice of the envs
+        sharded_storage = [
+            jax.device_put(jax.tree.map(lambda x: x[:, i * envs_per_learner_device : (i + 1) * envs_per_learner_device],
+                                        storage), device)
+            for i, device in enumerate(learner_devices)
+        ]
+        stats = {
+            "params_queue_get_time": params_queue_get_time,
+            "rollout_time": rollout_time,
+            "inference_time": inference_time,
+            "env_step_time": env_step_time,
+            "storage_time": storage_time,
+            "rollout_queue_put_time": rollout_queue_put_time,  # of the previous rollout
+            "returned_episode_returns": returned_episode_returns.copy(),
+            "returned_episode_lengths": returned_episode_lengths.copy(),
+        }
+        rollout_queue_put_start = time.time()
+        queue_put(rollout_queue, (sharded_storage, actor_policy_version, stats), stop_event, args.queue_timeout)
+        rollout_queue_put_time = time.time() - rollout_queue_put_start
+
+
+def actor_thread_main(target, errors: list, stop_event: threading.Event, *target_args):
+    """Run an actor; any failure is recorded and stops the whole run."""
+    try:
+        target(*target_args)
+    except RunStopped:
+        pass
+    except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
+        errors.append(error)
+        stop_event.set()
+
+
+def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
+    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
+
+    A Python loop over epochs and minibatches drives one jitted minibatch step. On CPU, XLA turns a
+    conv weight-gradient inside `lax.scan` into a very slow loop, and unrolling the scan costs
+    minutes of compile; one compiled step called num_minibatches x update_epochs times costs neither.
+    """
+    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs), out_specs=(replicated, (sharded_steps,) * 7))
+    def prepare_batch(agent_state: AgentState, storage: Rollout):
+        """Per device: the running statistics updated with the rollout of all devices (the same on every device),
+        rewards scaled with them (as gym's NormalizeReward), advantages and returns, then flatten (T, envs)."""
+        flat = lambda x: x.reshape((-1, *x.shape[2:]))
+        obs_rms = merge_running_stats(agent_state.obs_rms, batch_running_stats(
+            flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch"))
+        # envpool's reset steps are not steps of an episode: their (zero) returns do not count
+        return_rms = merge_running_stats(agent_state.return_rms, batch_running_stats(
+            flat(storage.discounted_returns), flat(storage.valid), "batch"))
+        rewards = scale_rewards(return_rms, storage.rewards)
+        advantages, returns = compute_gae(rewards, storage.values, storage.bootstrap_value[0],
+                                          storage.terminations, storage.truncations, args.gamma, args.gae_lambda)
+        return agent_state.replace(obs_rms=obs_rms, return_rms=return_rms), tuple(map(flat, (
+            storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid)))
+
+    def loss_fn(params, obs, actions, old_logprobs, old_values, advantages, returns, valid):
+        action_mean, action_logstd, new_values = agent.apply(params, obs)
+        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, actions)
+        if args.norm_adv:
+            count = jnp.maximum(valid.sum(), 1)
+            mean = jnp.where(valid, advantages, 0).sum() / count
+            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
+            advantages = (advantages - mean) / (std + 1e-8)
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+            new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
+            normalizer, args.clip_coef, args.clip_vloss)
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+
+    @partial(jax.jit, donate_argnums=(0,))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, (sharded_steps,) * 7, sharded_steps, replicated),
+             out_specs=(replicated, replicated))
+    def minibatch_update(agent_state: AgentState, batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = [jnp.take(x, indices, axis=0) for x in batch]
+        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, *minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps)
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    def update(agent_state: AgentState, storage: Rollout, key):
+        agent_state, batch = prepare_batch(agent_state, storage)
+        metrics = []
+        for _ in range(args.update_epochs):
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            for minibatch_index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation,
+                                                                  jnp.int32(minibatch_index))
+                metrics.append(minibatch_metrics)
+        metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
+        return agent_state, metrics, key
+
+    return update
+
+
+def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: int) -> Rollout:
+    """Concatenate the actor threads' slices on each local learner device, then view them as one
+    global array over the learner devices of all processes (env axis sharded, device-major)."""
+    per_device = [  # per_thread_storages[thread][device] -> one Rollout per local learner device
+        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages)
+        for storages in zip(*per_thread_storages)
+    ]
+
+    def to_global(*shards):
+        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(None, "batch")), list(shards))
+
+    return jax.tree.map(to_global, *per_device)
+
+
+def main(args: Args):
+    validate_args(args)
+    ensure_host_devices(args)
+    if args.distributed:
+        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+    args.world_size, args.local_rank = jax.process_count(), jax.process_index()
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if max(getattr(args, name)) >= len(local_devices):
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)} out of range: this process has "
+                 f"{len(local_devices)} {local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
+    args.local_batch_size = (args.local_num_envs * args.num_steps * args.num_actor_threads
+                             * len(args.actor_device_ids))
+    args.batch_size = args.local_batch_size * args.world_size
+    args.num_updates = args.total_timesteps // args.batch_size
+    if args.num_updates < 1:
+        fail(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
+             "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
+    actor_devices = [local_devices[i] for i in args.actor_device_ids]
+    learner_devices = [local_devices[i] for i in args.learner_device_ids]
+    global_learner_devices = [
+        device for process in range(args.world_size) for i, device in enumerate(
+            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
+        if i in args.learner_device_ids
+    ]
+    args.global_learner_device_ids = [device.id for device in global_learner_devices]
+    mesh = Mesh(np.array(global_learner_devices), ("batch",))
+
+    if args.run_name is None:
+        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    is_main_process = args.local_rank == 0
+
+    # seeding: the agent and learner keys are the same in all processes; each actor thread folds its
+    # global index into actor_key, so no two threads (or processes) sample with the same key
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
+
+    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    replicated_sharding = NamedSharding(mesh, P())
+    agent_state = AgentState.create(
+        apply_fn=None,
+        params=agent.init(agent_key, np.zeros((1, *obs_space.shape), np.float32)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+        ),
+        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
+        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+    )
+    # from host values, identical in every process, to one replicated global array per leaf
+    agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
+    update = make_learner_fns(args, agent, mesh)
+
+    checkpoint_manager = ocp.CheckpointManager(
+        os.path.abspath(f"runs/{args.run_name}/checkpoints"),
+        options=ocp.CheckpointManagerOptions(max_to_keep=args.checkpoint_keep, enable_async_checkpointing=False))
+    start_update = 0
+    if checkpoint_manager.latest_step() is not None:
+        agent_state, learner_key, start_update = restore_checkpoint(checkpoint_manager, agent_state, learner_key, args)
+        print(f"resumed from checkpoint: update={start_update} global_step={start_update * args.batch_size} "
+              f"params sha256={params_digest(agent_state.params)} "
+              f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))}", flush=True)
+    elif args.resume:
+        fail(f"--resume: runs/{args.run_name}/checkpoints has no complete checkpoint")
+
+    writer = None
+    if is_main_process:
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
+                       name=args.run_name, id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow", save_code=True)
+        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track, resume_step=start_update * args.batch_size)
+        if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
+            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
+                            + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+
+    @jax.jit
+    def get_action_and_value(params, obs, key):
+        agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
+        obs = normalize_obs(obs_rms, obs)
+        action_mean, action_logstd, value = agent.apply(agent_params, obs)
+        key, subkey = jax.random.split(key)
+        action = action_mean + jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
+        return action, logprob, value, obs, key
+
+    @jax.jit
+    def get_value(params, obs):
+        agent_params, obs_rms = params
+        return agent.apply(agent_params, normalize_obs(obs_rms, obs))[2]
+
+    def params_for_actor_devices() -> dict:
+        # one copy of our shard of the replicated (possibly multi-process) params and obs statistics per actor device,
+        # shared by its threads; a copy even when actor and learner share a device, since the learner donates its buffers
+        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, (agent_state.params, agent_state.obs_rms))
+        return {device: jax.device_put(local_params, device, may_alias=False) for device in actor_devices}
+
+    stop_event = threading.Event()
+    actor_errors: list = []
+    params_queues, rollout_queues, actor_threads, params_queue_devices = [], [], [], []
+    actor_params = params_for_actor_devices()
+    for device_index, actor_device in enumerate(actor_devices):
+        for thread_id in range(args.num_actor_threads):
+            thread_index = device_index * args.num_actor_threads + thread_id
+            params_queues.append(queue.Queue(maxsize=1))
+            rollout_queues.append(queue.Queue(maxsize=1))
+            params_queues[-1].put((actor_params[actor_device], start_update))
+            params_queue_devices.append(actor_device)
+            thread = threading.Thread(
+                target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
+                args=(rollout, actor_errors, stop_event, args, thread_index, start_update, actor_key, make_envs,
+                      actor_device,
+                      learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action_and_value,
+                      get_value),
+            )
+            thread.start()
+            actor_threads.append(thread)
+
+    def check_actors():
+        if actor_errors:
+            raise RuntimeError(f"an actor thread failed: {actor_errors[0]!r}") from actor_errors[0]
+
+    received_signals: list[int] = []
+
+    def on_preemption(signum, frame):
+        """SLURM preemption (SIGTERM) or Ctrl-C: stop at an update boundary and checkpoint; a second
+        signal interrupts at once."""
+        received_signals.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if args.world_size == 1:
+            stop_event.set()  # alone, stop the actors now; several processes first agree on the update
+
+    def preempted() -> bool:
+        if args.world_size == 1:
+            return bool(received_signals)
+        # every process must stop after the same update, or the others would wait in its collectives
+        return bool(multihost_utils.process_allgather(np.int32(bool(received_signals))).any())
+
+    signal.signal(signal.SIGTERM, on_preemption)
+    signal.signal(signal.SIGINT, on_preemption)
+    learner_policy_version = start_update
+    start_time = time.time()
+    try:
+        for update_index in range(start_update + 1, args.num_updates + 1):
+            if preempted():
+                break
+            rollout_queue_get_start = time.time()
+            per_thread_storages, actor_versions, actor_stats = [], [], []
+            for rollout_queue in rollout_queues:
+                try:
+                    storages, actor_policy_version, stats = queue_get(rollout_queue, stop_event, args.queue_timeout)
+                except RunStopped:
+                    check_actors()  # an actor failed: raise its error; otherwise a signal stopped the run
+                    raise
+                per_thread_storages.append(storages)
+                actor_versions.append(actor_policy_version)
+                actor_stats.append(stats)
+            assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
+            rollout_queue_get_time = time.time() - rollout_queue_get_start
+            global_step = update_index * args.batch_size
+
+            training_start = time.time()
+            storage = assemble_global_rollout(per_thread_storages, mesh, args.batch_size // args.num_steps)
+            agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
+            learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
+            metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
+            training_time = time.time() - training_start
+            trained_policy_version = learner_policy_version  # the version the gradient was taken at
+            learner_policy_version += 1
+            check_actors()
+            if update_index < args.num_updates:
+                actor_params = params_for_actor_devices()
+                for params_queue, actor_device in zip(params_queues, params_queue_devices):
+                    queue_put(params_queue, (actor_params[actor_device], learner_policy_version), stop_event,
+                              args.queue_timeout)
+
+            if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
+                save_checkpoint(checkpoint_manager, update_index, agent_state, learner_key, args)
+
+            returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
+            lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
+            sps = int((global_step - start_update * args.batch_size) / (time.time() - start_time))
+            scalars = {
+                "charts/SPS": sps,
+                "charts/learning_rate": learning_rate,
+                "losses/loss": metrics[0],
+                "losses/policy_loss": metrics[1],
+                "losses/value_loss": metrics[2],
+                "losses/entropy": metrics[3],
+                "losses/approx_kl": metrics[4],
+                "stats/actor_policy_version": actor_versions[0],
+                "stats/learner_policy_version": trained_policy_version,
+                "stats/rollout_queue_get_time": rollout_queue_get_time,
+                "stats/training_time": training_time,
+            }
+            for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
+                         "rollout_queue_put_time"]:
+                scalars[f"stats/{name}"] = np.mean([s[name] for s in actor_stats])
+            if not np.all(np.isnan(returns)):
+                scalars["charts/avg_episodic_return"] = np.nanmean(returns)
+                scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
+            if writer is not None:
+                writer.add_scalars(scalars, global_step)
+            if update_index % args.log_frequency == 0 or update_index == args.num_updates:
+                eta = (args.num_updates - update_index) * (time.time() - start_time) / (update_index - start_update)
+                process_sps = int(args.local_batch_size * (update_index - start_update) / (time.time() - start_time))
+                process_sps = f"process_SPS={process_sps} " if args.world_size > 1 else ""
+                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} {process_sps}"
+                      f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
+                      f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
+                      f"ETA={eta:.0f}s", flush=True)
+    except RunStopped:
+        if not received_signals:
+            raise
+    except BaseException:
+        if args.distributed:
+            # a peer process may be dead: jax.distributed's exit barrier would wait for it (minutes), so
+            # report, close what we wrote, and leave now; the others fail in their next collective
+            stop_event.set()
+            if writer is not None:
+                writer.close()
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
+    finally:
+        stop_event.set()
+        for thread in actor_threads:
+            thread.join(timeout=10)
+        if writer is not None:
+            writer.close()
+
+    if checkpoint_manager.latest_step() != learner_policy_version:
+        save_checkpoint(checkpoint_manager, learner_policy_version, agent_state, learner_key, args)
+    checkpoint_manager.close()
+    # every process prints this: equal digests show that all learner replicas hold the same params and statistics
+    print(f"process {args.local_rank}: final params sha256={params_digest(agent_state.params)} "
+          f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))}", flush=True)
+    if received_signals:
+        print(f"stopped by signal {received_signals[0]} after update {learner_policy_version}: run the same command "
+              f"(--run-name {args.run_name}) to resume", flush=True)
+    if args.save_model and is_main_process and not received_signals:
+        model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
+        host_value = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+        with open(model_path, "wb") as f:
+            f.write(flax.serialization.msgpack_serialize({
+                "script": os.path.basename(__file__)[: -len(".py")],
+                "args": json.dumps(asdict(args)),
+                "params": flax.serialization.to_state_dict(host_value(agent_state.params)),
+                "obs_rms": host_value(agent_state.obs_rms)._asdict(),  # the policy's input normalization
+            }))
+        print(f"model saved to {model_path}")
+    if args.track and is_main_process:
+        import wandb
+
+        wandb.finish()
+    if args.distributed:
+        jax.distributed.shutdown()
+    if received_signals:
+        sys.exit(128 + received_signals[0])  # the shell's code for "ended by this signal": 143 SIGTERM, 130 Ctrl-C
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,223 @@
+"""The MuJoCo script (Sebulba PPO with a Gaussian policy): its math against references (scipy's normal
+distribution, NumPy statistics), the running statistics merged over learner devices, runs in two layouts,
+reproducibility, checkpoints that keep the statistics, the saved model's eval policy, bad input."""
+
+import json
+import re
+import shutil
+from functools import partial
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tyro
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from scipy import stats
+
+from conftest import MUJOCO_SCRIPT, TINY_HALFCHEETAH, load_script, run_script
+from test_smoke import TAGS, versions
+
+mujoco = load_script(MUJOCO_SCRIPT)
+
+DIGESTS = r"params sha256=(\w{64}) stats sha256=(\w{64})"
+SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=\d+ " + DIGESTS)
+RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=\d+ " + DIGESTS)
+FINAL = re.compile(r"final " + DIGESTS)
+MODEL = "cleanba_ppo_continuous_action_envpool_mujoco.cleanrl_model"
+
+
+def test_gaussian_logprob_and_entropy_match_scipy():
+    rng = np.random.default_rng(0)
+    mean = rng.normal(size=(5, 3)).astype(np.float32)
+    logstd = rng.uniform(-1.5, 0.5, size=3).astype(np.float32)  # state-independent: one per action dimension
+    actions = (mean + rng.normal(size=(5, 3)) * 2).astype(np.float32)
+    logprob, entropy = mujoco.gaussian_logprob_entropy(jnp.asarray(mean), jnp.asarray(logstd), jnp.asarray(actions))
+    std = np.exp(logstd.astype(np.float64))
+    np.testing.assert_allclose(logprob, stats.norm.logpdf(actions, mean, std).sum(-1), rtol=1e-5)
+    np.testing.assert_allclose(entropy, np.full(5, stats.norm.entropy(scale=std).sum()), rtol=1e-5)
+    # the joint density of independent components is the multivariate normal with a diagonal covariance
+    joint = [stats.multivariate_normal.logpdf(a, m, np.diag(std**2)) for a, m in zip(actions, mean)]
+    np.testing.assert_allclose(logprob, joint, rtol=1e-5)
+
+
+def test_running_statistics_of_shards_merge_into_those_of_the_whole_batch():
+    rng = np.random.default_rng(1)
+    x = rng.normal(3.0, 2.0, size=(300, 4)).astype(np.float32) * np.array([1, 10, 0.1, 5], np.float32)
+    weights = rng.random(300) < 0.8  # e.g. envpool's reset steps left out
+    shards = [slice(0, 17), slice(17, 160), slice(160, 300)]  # uneven, as the valid samples of devices are
+    merged = mujoco.batch_running_stats(x[shards[0]], weights[shards[0]])
+    for shard in shards[1:]:
+        merged = mujoco.merge_running_stats(merged, mujoco.batch_running_stats(x[shard], weights[shard]))
+    kept = x[weights].astype(np.float64)
+    np.testing.assert_allclose(merged.mean, kept.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(merged.var, kept.var(0), rtol=1e-4)
+    assert float(merged.count) == weights.sum()
+    # merging into earlier statistics: the same as the statistics of everything seen
+    earlier = mujoco.batch_running_stats(x[:100], np.ones(100, bool))
+    both = mujoco.merge_running_stats(earlier, mujoco.batch_running_stats(x[100:], weights[100:]))
+    seen = np.concatenate([x[:100], x[100:][weights[100:]]]).astype(np.float64)
+    np.testing.assert_allclose(both.mean, seen.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(both.var, seen.var(0), rtol=1e-4)
+
+
+def test_statistics_inside_shard_map_are_those_of_the_whole_batch_on_every_device():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(64, 3)).astype(np.float32) + 5
+    weights = rng.random(64) < 0.7
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), P("batch")), out_specs=P("batch"))
+    def per_device_stats(x, weights):
+        return jax.tree.map(lambda v: jax.lax.pcast(v, "batch", to="varying")[None],
+                            mujoco.batch_running_stats(x, weights, "batch"))
+
+    result = per_device_stats(x, weights)  # one row per device
+    for field in result:
+        assert np.array_equal(field[0], field[1])  # bitwise the same on both devices
+    np.testing.assert_allclose(result.mean[0], x[weights].mean(0), rtol=1e-5)
+    np.testing.assert_allclose(result.var[0], x[weights].var(0), rtol=1e-4)
+    assert result.count[0] == weights.sum()
+
+
+def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
+    T, N, obs_dim, action_dim = 8, 4, 3, 2
+    rng = np.random.default_rng(0)
+    raw_obs = rng.normal(2.0, 3.0, size=(T, N, obs_dim)).astype(np.float32)
+    valid = rng.random((T, N)) < 0.9
+    storage = mujoco.Rollout(
+        obs=np.clip((raw_obs - 1) / 2, -10, 10),
+        raw_obs=raw_obs,
+        actions=rng.normal(size=(T, N, action_dim)).astype(np.float32),
+        logprobs=rng.normal(-2, 0.1, size=(T, N)).astype(np.float32),
+        values=rng.normal(size=(T, N)).astype(np.float32),
+        rewards=rng.normal(size=(T, N)).astype(np.float32),
+        discounted_returns=rng.normal(5.0, 2.0, size=(T, N)).astype(np.float32),
+        terminations=(rng.random((T, N)) < 0.2).astype(np.float32),
+        truncations=np.zeros((T, N), np.float32),
+        valid=valid,
+        bootstrap_value=rng.normal(size=(1, N)).astype(np.float32),
+    )
+    agent = mujoco.Agent(action_dim=action_dim, hiddens=(8,))
+    params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
+    initial = jax.tree.map(np.float32, mujoco.RunningMeanStd(np.zeros(obs_dim), np.ones(obs_dim), 1e-4))
+    results = []
+    for num_devices in [1, 2]:
+        args = mujoco.Args(num_steps=T, local_num_envs=N, num_actor_threads=1, num_minibatches=1, update_epochs=1,
+                           learner_device_ids=list(range(num_devices)), norm_adv=False)
+        mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+        state = mujoco.AgentState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), obs_rms=initial,
+                                         return_rms=jax.tree.map(np.float32, mujoco.RunningMeanStd(0.0, 1.0, 1e-4)))
+        state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
+        global_storage = mujoco.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
+        state, metrics, _ = mujoco.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
+        results.append(jax.device_get((state.params, state.obs_rms, state.return_rms, metrics)))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *results)
+    _, obs_rms, return_rms, _ = results[1]
+    # the statistics now include the whole global rollout: every observation, the returns of valid steps
+    assert float(obs_rms.count) == pytest.approx(T * N + 1e-4)
+    np.testing.assert_allclose(obs_rms.mean, raw_obs.reshape(-1, obs_dim).mean(0), rtol=1e-3)
+    np.testing.assert_allclose(obs_rms.var, raw_obs.reshape(-1, obs_dim).var(0), rtol=1e-3)
+    assert float(return_rms.count) == pytest.approx(valid.sum() + 1e-4)
+    np.testing.assert_allclose(return_rms.var, storage.discounted_returns[valid].var(), rtol=1e-3)
+    assert not np.allclose(jax.tree.leaves(results[0][0])[0], jax.tree.leaves(params)[0])  # it did update
+
+
+# a0-l1,2 with 2 actor threads on Hopper-v4 (episodes end early there): 4 updates of 64 steps, checkpoints at 2 and 4
+LAYOUT_FLAGS = [*TINY_HALFCHEETAH, "--env-id", "Hopper-v4", "--num-actor-threads", "2", "--actor-device-ids", "0",
+                "--learner-device-ids", "1", "2", "--total-timesteps", "256", "--checkpoint-frequency", "2",
+                "--save-model", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory):
+    return run_script(LAYOUT_FLAGS, tmp_path_factory.mktemp("mujoco"), "first", script=MUJOCO_SCRIPT)
+
+
+def test_two_learner_devices_two_threads_log_every_tag_and_save_the_statistics(layout_run):
+    run = layout_run
+    assert run.returncode == 0, run.stderr
+    scalars = run.scalars()
+    assert not [tag for tag in TAGS if tag not in scalars]
+    assert [step for step, _ in scalars["charts/SPS"]] == [64, 128, 192, 256]
+    assert versions(scalars) == ([0, 0, 1, 2], [0, 1, 2, 3])  # one version behind
+    assert all(np.isfinite(v) and v != 0 for _, v in scalars["charts/avg_episodic_return"])
+    model = flax.serialization.msgpack_restore((run.run_dir / MODEL).read_bytes())
+    assert model["script"] == MUJOCO_SCRIPT.stem and json.loads(model["args"])["env_id"] == "Hopper-v4"
+    obs_rms = model["obs_rms"]
+    assert float(obs_rms["count"]) == pytest.approx(256 + 1e-4)  # every step of both threads, over both devices
+    assert obs_rms["mean"].shape == obs_rms["var"].shape == (11,) and np.all(obs_rms["var"] > 0)
+    assert not np.allclose(obs_rms["mean"], 0)
+    # the eval policy normalizes with the saved statistics and clips to the action bounds
+    args = mujoco.Args(**json.loads(model["args"]))
+    envs = mujoco.make_env("Hopper-v4", seed=0, num_envs=3)
+    obs, _ = envs.reset()
+    greedy = mujoco.make_eval_policy(args, model, greedy=True)
+    actions, key = greedy(obs, jax.random.key(0))
+    assert actions.shape == (3, 3) and np.array_equal(actions, greedy(obs, key)[0])  # the mean: deterministic
+    normalized = np.clip((obs - obs_rms["mean"]) / np.sqrt(obs_rms["var"] + 1e-8), -10, 10).astype(np.float32)
+    action_mean = mujoco.Agent(3, tuple(args.hiddens)).apply(model["params"], normalized)[0]
+    np.testing.assert_allclose(actions, np.clip(action_mean, -1, 1), rtol=1e-5, atol=1e-6)
+    sampled, _ = mujoco.make_eval_policy(args, model, greedy=False)(obs, jax.random.key(0))
+    assert not np.allclose(sampled, actions) and np.all(np.abs(sampled) <= 1)  # std 1 at start: often clipped
+
+
+def test_same_seed_same_params_and_statistics(layout_run):
+    again = run_script(LAYOUT_FLAGS, layout_run.run_dir.parent.parent, "second", script=MUJOCO_SCRIPT)
+    assert again.returncode == 0, again.stderr
+    assert FINAL.search(again.stdout).groups() == FINAL.search(layout_run.stdout).groups()
+    assert again.scalars()["losses/loss"] == layout_run.scalars()["losses/loss"]
+
+
+def test_resume_on_one_learner_device_shared_with_the_actor_restores_the_statistics_bit_for_bit(layout_run, workdir):
+    saved = {update: digests for update, *digests in SAVED.findall(layout_run.stdout)}
+    assert list(saved) == ["2", "4"]
+    # the same run in another folder, as if it had been stopped after its checkpoint at update 2; it goes on in
+    # the a0-l0 layout (devices may change on resume): the state saved from 2 learner devices goes to 1
+    shutil.copytree(layout_run.run_dir, workdir / "runs" / "first")
+    shutil.rmtree(workdir / "runs" / "first" / "checkpoints" / "4")
+    resumed = run_script([*LAYOUT_FLAGS, "--learner-device-ids", "0"], workdir, "first", script=MUJOCO_SCRIPT)
+    assert resumed.returncode == 0, resumed.stderr
+    update, *digests = RESUMED.search(resumed.stdout).groups()
+    assert update == "2" and digests == saved["2"]
+    scalars = resumed.scalars()
+    assert not [tag for tag in TAGS if tag not in scalars]
+    assert [step for step, _ in scalars["charts/SPS"]] == [64, 128, 192, 256]  # each step once
+    assert versions(scalars) == ([0, 0, 2, 2], [0, 1, 2, 3])  # after a resume: lag 0 first, like a new run
+    model = flax.serialization.msgpack_restore((resumed.run_dir / MODEL).read_bytes())
+    assert float(model["obs_rms"]["count"]) == pytest.approx(256 + 1e-4)  # counted on from the checkpoint
+
+
+def test_a_discrete_action_env_is_one_clear_line(workdir):
+    run = run_script(["--env-id", "CartPole-v1"], workdir, script=MUJOCO_SCRIPT, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == (
+        "error: --env-id 'CartPole-v1' is not supported: use an envpool MuJoCo id with continuous actions "
+        "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),  # continuous, but not MuJoCo
+    (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
+    (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
+    (["--learner-device-ids", "-1"], "--learner-device-ids must be non-negative device ids"),
+    (["--actor-device-ids", "0", "0"], "--actor-device-ids has duplicate device ids"),
+    (["--learner-device-ids", "0", "7"], "--learner-device-ids [0, 7] out of range: this process has 4"),
+    (["--hiddens", "64", "0"], "--hiddens must be one or more positive integers"),
+    (["--local-num-envs", "3", "--learner-device-ids", "0", "1"], "--local-num-envs (3) must be divisible"),
+], ids=["pendulum", "atari", "unknown", "negative-device", "duplicate-device", "device-out-of-range", "hiddens",
+        "envs-split"])
+def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, message):
+    # in this process (4 host devices, set by conftest): main() must stop with exit code 2 before it starts a run
+    monkeypatch.chdir(workdir)
+    with pytest.raises(SystemExit) as exit_info:
+        mujoco.main(tyro.cli(mujoco.Args, args=flags))
+    assert exit_info.value.code == 2
+    error_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(error_lines) == 1 and error_lines[0].startswith(f"error: {message}"), error_lines
+    assert not (workdir / "runs").exists()
