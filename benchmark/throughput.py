@@ -102,7 +102,7 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     results = {}
 
     # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
-    envs = module.make_env(args.env_id, args.seed, num_envs)()
+    envs = module.make_env(args.env_id, args.seed, num_envs)
     action_space = envs.action_space
     action_space.seed(args.seed)
     random_actions = np.stack([np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(num_steps)])
@@ -121,7 +121,7 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
     actor_fns = module.make_actor_fns(agent)
     actor_fns = actor_fns if isinstance(actor_fns, tuple) else (actor_fns,)  # the first acts, once per env step
-    params = jax.device_put(agent_state.params, actor_device)
+    params = jax.device_put(module.actor_params(agent_state), actor_device)
     key = jax.device_put(jax.random.key(args.seed), actor_device)
 
     def infer():

@@ -491,6 +491,11 @@ def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local
     return base + global_thread_index * local_num_envs
 
 
+def actor_params(agent_state: TrainState):
+    """What the actors act with."""
+    return agent_state.params
+
+
 def make_actor_fns(agent: Agent):
     """The actor's jitted inference, run on the device its inputs live on."""
 
@@ -789,19 +794,19 @@ def main(args: Args):
     def params_for_actor_devices() -> dict:
         # one copy of our shard of the replicated (possibly multi-process) params per actor device, shared by
         # its threads; a copy even when actor and learner share a device, since the learner donates its buffers
-        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, agent_state.params)
+        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, actor_params(agent_state))
         return {device: jax.device_put(local_params, device, may_alias=False) for device in actor_devices}
 
     stop_event = threading.Event()
     actor_errors: list = []
     params_queues, rollout_queues, actor_threads, params_queue_devices = [], [], [], []
-    actor_params = params_for_actor_devices()
+    params_per_actor_device = params_for_actor_devices()
     for device_index, actor_device in enumerate(actor_devices):
         for thread_id in range(args.num_actor_threads):
             thread_index = device_index * args.num_actor_threads + thread_id
             params_queues.append(queue.Queue(maxsize=1))
             rollout_queues.append(queue.Queue(maxsize=1))
-            params_queues[-1].put((actor_params[actor_device], start_update))
+            params_queues[-1].put((params_per_actor_device[actor_device], start_update))
             params_queue_devices.append(actor_device)
             thread = threading.Thread(
                 target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
@@ -866,9 +871,9 @@ def main(args: Args):
             learner_policy_version += 1
             check_actors()
             if update_index < args.num_updates:
-                actor_params = params_for_actor_devices()
+                params_per_actor_device = params_for_actor_devices()
                 for params_queue, actor_device in zip(params_queues, params_queue_devices):
-                    queue_put(params_queue, (actor_params[actor_device], learner_policy_version), stop_event,
+                    queue_put(params_queue, (params_per_actor_device[actor_device], learner_policy_version), stop_event,
                               args.queue_timeout)
 
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:

@@ -25,6 +25,7 @@ import os
 import queue
 import random
 import re
+import resource
 import signal
 import sys
 import threading
@@ -500,6 +501,33 @@ def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local
     return base + global_thread_index * local_num_envs
 
 
+def actor_params(agent_state: AgentState):
+    """What the actors act with: the params and the observation statistics of the same version."""
+    return agent_state.params, agent_state.obs_rms
+
+
+def make_actor_fns(agent: Agent):
+    """The actor's jitted inference, run on the device its inputs live on."""
+
+    @jax.jit
+    def get_action_and_value(params, obs, key):
+        agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
+        obs = normalize_obs(obs_rms, obs)
+        action_mean, action_logstd, value = agent.apply(agent_params, obs)
+        key, subkey = jax.random.split(key)
+        action = action_mean + jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
+        # one array: one device-to-host copy per env step instead of four
+        return jnp.concatenate([action, logprob[:, None], value[:, None], obs], axis=1), key
+
+    @jax.jit
+    def get_value(params, obs):
+        agent_params, obs_rms = params
+        return agent.apply(agent_params, normalize_obs(obs_rms, obs))[2]
+
+    return get_action_and_value, get_value
+
+
 def rollout(
     args: Args,
     thread_index: int,
@@ -520,6 +548,7 @@ def rollout(
     key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
     num_envs, num_steps = args.local_num_envs, args.num_steps
     obs_space, action_space = envs.observation_space, envs.action_space
+    action_dim = action_space.shape[0]
     next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     discounted_return = np.zeros(num_envs, dtype=np.float32)  # of each env so far: its std scales the rewards
@@ -554,8 +583,10 @@ def rollout(
             if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
                 raise RunStopped
             inference_start = time.time()
-            action, logprob, value, normalized_obs, key = get_action_and_value(params, next_obs, key)
-            action, logprob, value, normalized_obs = jax.device_get((action, logprob, value, normalized_obs))
+            step_outputs, key = get_action_and_value(params, next_obs, key)
+            action, logprob, value, normalized_obs = np.split(np.asarray(step_outputs), [action_dim, action_dim + 1,
+                                                                                         action_dim + 2], axis=1)
+            logprob, value = logprob[:, 0], value[:, 0]
             env_step_start = time.time()
             inference_time += env_step_start - inference_start
             # the env gets the action clipped to its bounds; the loss keeps the sample (its log-prob is exact)
@@ -615,6 +646,31 @@ def actor_thread_main(target, errors: list, stop_event: threading.Event, *target
     except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
         errors.append(error)
         stop_event.set()
+
+
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
+    """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, AgentState.create(
+        apply_fn=None,
+        params=agent.init(key, np.zeros((1, *obs_space.shape), np.float32)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+        ),
+        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
+        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+    )
 
 
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
@@ -756,30 +812,9 @@ def main(args: Args):
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
 
     make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
-
-    def linear_schedule(count):
-        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
-        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
-        return args.learning_rate * frac
-
-    replicated_sharding = NamedSharding(mesh, P())
-    agent_state = AgentState.create(
-        apply_fn=None,
-        params=agent.init(agent_key, np.zeros((1, *obs_space.shape), np.float32)),
-        tx=optax.chain(
-            optax.clip_by_global_norm(args.max_grad_norm),
-            optax.inject_hyperparams(optax.adam)(
-                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
-        ),
-        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
-        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
-        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
-    )
+    agent, agent_state = make_agent(args, agent_key)
     # from host values, identical in every process, to one replicated global array per leaf
-    agent_state = jax.device_put(jax.device_get(agent_state), replicated_sharding)
+    agent_state = jax.device_put(jax.device_get(agent_state), NamedSharding(mesh, P()))
     update = make_learner_fns(args, agent, mesh)
 
     checkpoint_manager = ocp.CheckpointManager(
@@ -806,37 +841,24 @@ def main(args: Args):
             writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
                             + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
 
-    @jax.jit
-    def get_action_and_value(params, obs, key):
-        agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
-        obs = normalize_obs(obs_rms, obs)
-        action_mean, action_logstd, value = agent.apply(agent_params, obs)
-        key, subkey = jax.random.split(key)
-        action = action_mean + jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
-        logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
-        return action, logprob, value, obs, key
-
-    @jax.jit
-    def get_value(params, obs):
-        agent_params, obs_rms = params
-        return agent.apply(agent_params, normalize_obs(obs_rms, obs))[2]
+    get_action_and_value, get_value = make_actor_fns(agent)
 
     def params_for_actor_devices() -> dict:
         # one copy of our shard of the replicated (possibly multi-process) params and obs statistics per actor device,
         # shared by its threads; a copy even when actor and learner share a device, since the learner donates its buffers
-        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, (agent_state.params, agent_state.obs_rms))
+        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, actor_params(agent_state))
         return {device: jax.device_put(local_params, device, may_alias=False) for device in actor_devices}
 
     stop_event = threading.Event()
     actor_errors: list = []
     params_queues, rollout_queues, actor_threads, params_queue_devices = [], [], [], []
-    actor_params = params_for_actor_devices()
+    params_per_actor_device = params_for_actor_devices()
     for device_index, actor_device in enumerate(actor_devices):
         for thread_id in range(args.num_actor_threads):
             thread_index = device_index * args.num_actor_threads + thread_id
             params_queues.append(queue.Queue(maxsize=1))
             rollout_queues.append(queue.Queue(maxsize=1))
-            params_queues[-1].put((actor_params[actor_device], start_update))
+            params_queues[-1].put((params_per_actor_device[actor_device], start_update))
             params_queue_devices.append(actor_device)
             thread = threading.Thread(
                 target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
@@ -902,9 +924,9 @@ def main(args: Args):
             learner_policy_version += 1
             check_actors()
             if update_index < args.num_updates:
-                actor_params = params_for_actor_devices()
+                params_per_actor_device = params_for_actor_devices()
                 for params_queue, actor_device in zip(params_queues, params_queue_devices):
-                    queue_put(params_queue, (actor_params[actor_device], learner_policy_version), stop_event,
+                    queue_put(params_queue, (params_per_actor_device[actor_device], learner_policy_version), stop_event,
                               args.queue_timeout)
 
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
@@ -925,6 +947,8 @@ def main(args: Args):
                 "stats/learner_policy_version": trained_policy_version,
                 "stats/rollout_queue_get_time": rollout_queue_get_time,
                 "stats/training_time": training_time,
+                # the process's peak resident memory so far (ru_maxrss is in KiB on Linux, bytes on macOS)
+                "stats/peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10),
             }
             for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
                          "rollout_queue_put_time"]:
