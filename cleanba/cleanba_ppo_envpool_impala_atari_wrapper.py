@@ -48,6 +48,9 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+from cleanrl_utils.evals import check_capture_video, evaluate, log_eval_returns
+from cleanrl_utils.huggingface import check_token, push_to_hub
+
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
 
 
@@ -66,7 +69,17 @@ class Args:
     wandb_entity: str | None = None
     """the entity (team) of wandb's project"""
     save_model: bool = False
-    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model"""
+    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
+    eval_episodes: int = 10
+    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return)"""
+    eval_greedy: bool = False
+    """with --save-model: evaluate with the most likely action instead of sampling it"""
+    capture_video: bool = False
+    """with --save-model: record the evaluation episodes of env 0 as MP4 files into videos/{run_name}/"""
+    upload_model: bool = False
+    """with --save-model: upload the model, its card, this script and a video to the Hugging Face Hub"""
+    hf_entity: str | None = None
+    """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's user)"""
     log_frequency: int = 10
     """print a console line every this many updates (TensorBoard gets every update)"""
     checkpoint_frequency: int = 100
@@ -162,7 +175,7 @@ def fail(message: str):
 def validate_args(args: Args):
     """Checks that need no device: run before JAX starts any backend."""
     for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
-                 "total_timesteps", "log_frequency", "checkpoint_keep"]:
+                 "total_timesteps", "log_frequency", "checkpoint_keep", "eval_episodes"]:
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     for name in ["learning_rate", "queue_timeout", "heartbeat_timeout"]:
@@ -203,6 +216,15 @@ def validate_args(args: Args):
         fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
         fail(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+    for name in ["capture_video", "upload_model"]:
+        if getattr(args, name) and not args.save_model:
+            fail(f"--{name.replace('_', '-')} works on the model saved at the end of training: add --save-model")
+    # checked now, not after training: a Hugging Face token, and a frame rendered (in a child process, since
+    # rendering without OpenGL kills the process)
+    if args.upload_model:
+        check_token()
+    if args.capture_video:
+        check_capture_video(__file__, args.env_id)
 
 
 def ensure_host_devices(args: Args):
@@ -221,26 +243,25 @@ def is_atari(env_id: str) -> bool:
     return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
 
 
-def make_env(env_id: str, seed: int, num_envs: int):
-    def thunk():
-        if is_atari(env_id):
-            return envpool.make(
-                env_id,
-                env_type="gymnasium",
-                num_envs=num_envs,
-                seed=seed,  # env i of this pool is seeded with seed + i
-                # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ, so each
-                # setting is passed explicitly:
-                episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
-                reward_clip=True,  # rewards clipped to [-1, 1]
-                noop_max=30,  # up to 30 no-op actions at the start of each episode
-                full_action_space=False,  # the minimal, game-specific action set
-                max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
-                repeat_action_probability=0.0,  # no sticky actions, as in the IMPALA paper
-            )
-        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed)
-
-    return thunk
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
+    """envpool gymnasium envs; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
+    if is_atari(env_id):
+        return envpool.make(
+            env_id,
+            env_type="gymnasium",
+            num_envs=num_envs,
+            seed=seed,  # env i of this pool is seeded with seed + i
+            # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ, so each
+            # setting is passed explicitly:
+            episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
+            reward_clip=True,  # rewards clipped to [-1, 1]
+            noop_max=30,  # up to 30 no-op actions at the start of each episode
+            full_action_space=False,  # the minimal, game-specific action set
+            max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
+            repeat_action_probability=0.0,  # no sticky actions, as in the IMPALA paper
+            render_mode=render_mode,
+        )
+    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode)
 
 
 class ResidualBlock(nn.Module):
@@ -319,6 +340,27 @@ class Agent(nn.Module):
         logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return logits, value.squeeze(-1)
+
+
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
+    likely action, otherwise actions are sampled as in training."""
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+    params = jax.tree.map(jnp.asarray, model["params"])
+
+    @jax.jit
+    def act(params, obs, key):
+        logits, _ = agent.apply(params, obs)
+        key, subkey = jax.random.split(key)
+        return (jnp.argmax(logits, axis=-1) if greedy else jax.random.categorical(subkey, logits)), key
+
+    def policy(obs: np.ndarray, key: jax.Array):
+        actions, key = act(params, obs, key)
+        return np.asarray(actions), key
+
+    return policy
 
 
 class Rollout(NamedTuple):
@@ -423,7 +465,8 @@ class SummaryWriter:
 
 
 # flags that may differ when a run is resumed: where and how it runs, not what it computes
-RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "log_frequency", "checkpoint_frequency",
+RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "eval_episodes", "eval_greedy",
+                     "capture_video", "upload_model", "hf_entity", "log_frequency", "checkpoint_frequency",
                      "checkpoint_keep", "resume", "queue_timeout", "heartbeat_timeout", "distributed",
                      "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
                      "local_rank", "world_size", "local_batch_size", "global_learner_device_ids"}
@@ -739,7 +782,7 @@ def main(args: Args):
     np.random.seed(args.seed)
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
 
-    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)()
+    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs)
     env_spec = envpool.make_spec(args.env_id)
     obs_space, action_space = env_spec.observation_space, env_spec.action_space
     agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
@@ -949,15 +992,24 @@ def main(args: Args):
     if received_signals:
         print(f"stopped by signal {received_signals[0]} after update {learner_policy_version}: run the same command "
               f"(--run-name {args.run_name}) to resume", flush=True)
+    upload_failed = False
     if args.save_model and is_main_process and not received_signals:
         model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
         with open(model_path, "wb") as f:
             f.write(flax.serialization.msgpack_serialize({
+                "script": os.path.basename(__file__)[: -len(".py")],  # cleanrl_utils.evals imports it to evaluate
                 "args": json.dumps(asdict(args)),
                 "params": flax.serialization.to_state_dict(
                     jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), agent_state.params)),
             }))
         print(f"model saved to {model_path}")
+        # the saved model, evaluated as `python -m cleanrl_utils.evals.evaluate` does; then the optional upload
+        episodic_returns = evaluate(model_path, args.eval_episodes, args.eval_greedy, args.capture_video,
+                                    f"videos/{args.run_name}", script=__file__)
+        log_eval_returns(f"runs/{args.run_name}", episodic_returns, use_wandb=args.track)
+        if args.upload_model:
+            upload_failed = not push_to_hub(args, episodic_returns, model_path, __file__, f"videos/{args.run_name}",
+                                            greedy=args.eval_greedy)
     if args.track and is_main_process:
         import wandb
 
@@ -966,6 +1018,8 @@ def main(args: Args):
         jax.distributed.shutdown()
     if received_signals:
         sys.exit(128 + received_signals[0])  # the shell's code for "ended by this signal": 143 SIGTERM, 130 Ctrl-C
+    if upload_failed:
+        sys.exit(1)  # the model, card and video are on disk (see the error above); only the upload is missing
 
 
 if __name__ == "__main__":
