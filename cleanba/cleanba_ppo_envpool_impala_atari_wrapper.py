@@ -48,7 +48,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-from cleanrl_utils.evals import check_capture_video, evaluate, log_eval_returns
+from cleanrl_utils.evals.evaluate import check_capture_video, evaluate, log_eval_returns
 from cleanrl_utils.huggingface import check_token, push_to_hub
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces

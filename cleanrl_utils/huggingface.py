@@ -134,7 +134,7 @@ def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, scr
     except Exception as error:  # network, authentication, permissions: report, keep the files
         print(f"error: --upload-model: uploading to {repo_id} failed ({type(error).__name__}: "
               f"{str(error).splitlines()[0][:200] if str(error) else ''}); the model, its card, the script and the "
-              f"video are kept in {folder}/: upload them later with `hf upload {repo_id} {folder}`", file=sys.stderr)
+              f"video are kept in {folder}/: upload them later with `hf upload {repo_id} {folder} .`", file=sys.stderr)
         return False
     print(f"model uploaded to {repo_url}", flush=True)
     return True

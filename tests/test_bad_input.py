@@ -21,6 +21,8 @@ CASES = {
     "zero learning rate": (["--learning-rate", "0"], "--learning-rate must be positive"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
+    "video without a saved model": (["--capture-video"], "--capture-video works on the model saved at the end of "
+                                                         "training: add --save-model"),
     "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
                                  "--process-id", "2"], "--process-id must be in [0, 2)"),
 }

@@ -86,6 +86,8 @@ def script_path(model: dict, script: str | os.PathLike | None = None) -> Path:
 def load_script(path: Path):
     """Import a training script as a module (its `if __name__ == "__main__"` part does not run)."""
     spec = importlib.util.spec_from_file_location(f"{path.stem}_for_eval", path)
+    if spec is None or path.suffix != ".py":
+        raise EvalError(f"script {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     for name in ["Args", "make_env", "make_eval_policy"]:
@@ -230,8 +232,8 @@ def check_capture_video(script: str | os.PathLike, env_id: str):
     if probe.returncode != 0:
         lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
         reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
-        print(f"error: --capture-video: {env_id} cannot be rendered here ({reason}); MuJoCo needs an OpenGL context: "
-              "set MUJOCO_GL=egl (GPU) or MUJOCO_GL=osmesa (CPU, needs libosmesa)", file=sys.stderr)
+        print(f"error: --capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video "
+              "(envpool's MuJoCo envs need an OpenGL context to render)", file=sys.stderr)
         sys.exit(2)
 
 
