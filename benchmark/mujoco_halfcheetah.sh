@@ -19,6 +19,7 @@ for seed in $SEEDS; do
   echo "seed $seed: wall $(awk "BEGIN {printf \"%.1f\", $EPOCHREALTIME - $start}")s"
   runs+=("runs/$name")
 done
-uv run python -m cleanrl_utils.plot --runs "${runs[@]}" --output static/mujoco_halfcheetah.png \
+uv run python benchmark/plot.py curves --runs "${runs[@]}" --labels "Sebulba PPO" \
+  --output static/mujoco_halfcheetah.png \
   --title "Sebulba PPO, HalfCheetah-v4 (2-core CPU, JAX on CPU; a0-l1, 2 actor threads x 4 envs)" \
   --references "CleanRL ppo_continuous_action at 1M steps (1442.64 +- 46.03)=1442.64"

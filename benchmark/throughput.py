@@ -20,7 +20,6 @@ usage (from the repository root):
 """
 
 import dataclasses
-import importlib.util
 import json
 import os
 import queue
@@ -33,6 +32,8 @@ import time
 from pathlib import Path
 
 import tyro
+
+from cleanrl_utils.evals.evaluate import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -55,13 +56,6 @@ class HarnessArgs:
     """append the results as one JSON line to this file"""
     summarize: Path | None = None
     """print the JSON lines of this file as a markdown table (for the README) and exit"""
-
-
-def load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def spread(rates: list[float]) -> dict:
@@ -102,7 +96,7 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     results = {}
 
     # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
-    envs = module.make_env(args.env_id, args.seed, num_envs)
+    envs = module.make_env(args.env_id, args.seed, num_envs, num_threads=module.envpool_num_threads(args))
     action_space = envs.action_space
     action_space.seed(args.seed)
     random_actions = np.stack([np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(num_steps)])

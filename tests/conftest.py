@@ -1,6 +1,5 @@
 """Shared helpers: run a cleanba script the way a user does (a subprocess), and read what it wrote."""
 
-import importlib.util
 import os
 import socket
 import subprocess
@@ -33,10 +32,9 @@ TINY_HALFCHEETAH = ["--env-id", "HalfCheetah-v4", "--local-num-envs", "2", "--nu
 
 def load_script(path: Path = PPO_SCRIPT):
     """Import a cleanba script as a module (for its pure functions)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from cleanrl_utils.evals.evaluate import load_script as load
+
+    return load(path)
 
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -27,7 +27,7 @@ def main():
         make_env = script.make_env
 
         def failing_make_env(*args, **kwargs):
-            envs = make_env(*args, **kwargs)()
+            envs = make_env(*args, **kwargs)
             step, steps_taken = envs.step, [0]
 
             def failing_step(action):
@@ -37,7 +37,7 @@ def main():
                 return step(action)
 
             envs.step = failing_step
-            return lambda: envs
+            return envs
 
         script.make_env = failing_make_env
     elif fault == "learner":

@@ -12,8 +12,9 @@ CASES = {
                                   "--num-minibatches (4) must divide"),
     "envs do not split over learners": (["--local-num-envs", "3", "--learner-device-ids", "0", "1"],
                                         "--local-num-envs (3) must be divisible by the number of --learner-device-ids"),
-    "negative device id": (["--actor-device-ids", "-1"], "--actor-device-ids must be non-negative"),
-    "duplicate device ids": (["--learner-device-ids", "1", "1"], "--learner-device-ids has duplicate device ids"),
+    "negative device id": (["--actor-device-ids", "-1"], "--actor-device-ids must be one or more distinct non-negative"),
+    "duplicate device ids": (["--learner-device-ids", "1", "1"], "--learner-device-ids must be one or more distinct non-negative"),
+    "negative envpool threads": (["--envpool-threads", "-1"], "--envpool-threads must be 0 (off / automatic) or a"),
     "device id out of range": (["--learner-device-ids", "0", "3"], "--learner-device-ids [0, 3] out of range"),
     "unknown env": (["--env-id", "Breakout-v99"], "--env-id 'Breakout-v99' is not supported"),
     "continuous env": (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),
@@ -21,6 +22,8 @@ CASES = {
     "zero learning rate": (["--learning-rate", "0"], "--learning-rate must be positive"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
+    "video without a saved model": (["--capture-video"], "--capture-video works on the model saved at the end of "
+                                                         "training: add --save-model"),
     "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
                                  "--process-id", "2"], "--process-id must be in [0, 2)"),
 }

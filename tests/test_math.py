@@ -1,6 +1,5 @@
 """The math of the PPO script against independent references."""
 
-import itertools
 
 import jax
 import jax.numpy as jnp

@@ -71,8 +71,9 @@ def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
 
 
 def test_save_model_and_track_offline(workdir):
+    # one evaluation game (Breakout: whole games, all lives) keeps the test short
     run = run_script([*TINY_BREAKOUT_PPO, "--num-actor-threads", "1", "--total-timesteps", "64", "--save-model", "--track",
-                      "--exp-name", "tiny"], workdir)
+                      "--exp-name", "tiny", "--eval-episodes", "1"], workdir)
     assert run.returncode == 0, run.stderr
     model = flax.serialization.msgpack_restore((run.run_dir / "tiny.cleanrl_model").read_bytes())
     saved_args = json.loads(model["args"])
@@ -80,3 +81,5 @@ def test_save_model_and_track_offline(workdir):
     kernels = [np.asarray(leaf) for leaf in flax.traverse_util.flatten_dict(model["params"]).values()]
     assert sum(k.size for k in kernels) > 0 and all(np.all(np.isfinite(k)) for k in kernels)
     assert list((workdir / "wandb").glob("offline-run-*")), "no offline W&B run written"
+    assert model["script"] == "cleanba_ppo_envpool_impala_atari_wrapper"
+    assert len(run.scalars()["eval/episodic_return"]) == 1

@@ -1,0 +1,221 @@
+"""The README's figures, drawn from the TensorBoard event files the runs wrote into runs/.
+
+    # learning curves: one row per --tags entry, against env steps (left) and wall time (right);
+    # a line is the mean over seeds, the band the spread (min to max)
+    uv run python benchmark/plot.py curves --env-id CartPole-v1 --exp-names ppo_cartpole impala_cartpole \\
+        --labels PPO IMPALA --output static/cartpole_learning_curves.png
+    # the same for explicit run folders (the seeds of one experiment), with a published result as a reference line
+    uv run python benchmark/plot.py curves --runs runs/a runs/b runs/c --labels "Sebulba PPO" \
+        --references "CleanRL at 1M steps=1442.64" --title "HalfCheetah-v4, 2-core CPU" --output static/curve.png
+    # throughput: one bar per experiment (device layout), the final charts/SPS, mean and min..max over seeds
+    uv run python benchmark/plot.py sps --env-id CartPole-v1 --exp-names sps_a0-l0 sps_a0-l1 --output static/sps.png
+
+Runs are found by their default name {env_id}__{exp_name}__{seed}__{unix time}; for a seed run more than
+once, the newest run counts. Wall time counts from the run's first event (written when the run starts
+logging, after imports and device setup). `curves` also prints each experiment's final values per tag.
+"""
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import tyro  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+HARDWARE = "2-core CPU (JAX on CPU)"
+
+
+@dataclass
+class Curves:
+    """Learning curves: mean and spread over seeds, against env steps and against wall time."""
+
+    output: str
+    env_id: str = ""
+    """with --exp-names: the env id in the run names"""
+    exp_names: list[str] = field(default_factory=list)
+    """the experiments, their runs found by run name in --runs-dir"""
+    runs: list[str] = field(default_factory=list)
+    """instead of --env-id/--exp-names: the run folders (runs/{run_name}) of one experiment, one per seed"""
+    labels: list[str] = field(default_factory=list)
+    """legend names of the experiments (default: the exp names; with --runs: the env id, else "runs")"""
+    tags: list[str] = field(default_factory=lambda: ["charts/avg_episodic_return"])
+    """the scalars to draw, one row each"""
+    references: list[str] = field(default_factory=list)
+    """horizontal lines in the first --tags row, each "label=value" (e.g. a published result)"""
+    title: str = ""
+    """the figure's title (default: "{env_id}, {hardware}")"""
+    final_window: int = 10
+    """a run's final value (printed): the mean of its last this many logged values"""
+    runs_dir: str = "runs"
+    hardware: str = HARDWARE
+    """the machine, written in the default title"""
+
+
+@dataclass
+class Sps:
+    """Throughput: the final charts/SPS (steps per second since the start, compilation included) per experiment."""
+
+    env_id: str
+    exp_names: list[str]
+    output: str
+    labels: list[str] = field(default_factory=list)
+    """bar names (default: the exp names)"""
+    runs_dir: str = "runs"
+    hardware: str = HARDWARE
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def find_runs(runs_dir: str, env_id: str, exp_name: str) -> dict[int, Path]:
+    """seed -> the newest run directory of (env_id, exp_name, seed)."""
+    newest: dict[int, tuple[int, Path]] = {}
+    for path in Path(runs_dir).glob(f"{env_id}__{exp_name}__*__*"):
+        parts = path.name.split("__")
+        if len(parts) != 4 or parts[1] != exp_name or not (parts[2].isdigit() and parts[3].isdigit()):
+            continue
+        seed, started = int(parts[2]), int(parts[3])
+        if seed not in newest or started > newest[seed][0]:
+            newest[seed] = (started, path)
+    if not newest:
+        fail(f"no runs of --exp-names {exp_name} on {env_id} in {runs_dir}/")
+    return {seed: path for seed, (_, path) in sorted(newest.items())}
+
+
+def read_run(run_dir: Path, tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, seconds since the run's first event, values) of one scalar."""
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    if tag not in accumulator.Tags()["scalars"]:
+        fail(f"{run_dir} has no scalar {tag}")
+    events = accumulator.Scalars(tag)
+    start = accumulator.FirstEventTimestamp()
+    return (np.array([e.step for e in events]), np.array([e.wall_time - start for e in events]),
+            np.array([e.value for e in events]))
+
+
+def mean_and_spread(xs: list[np.ndarray], ys: list[np.ndarray]):
+    """Each seed interpolated onto a common grid over the x range that all seeds cover."""
+    grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 200)
+    on_grid = np.stack([np.interp(grid, x, y) for x, y in zip(xs, ys)])
+    return grid, on_grid.mean(0), on_grid.min(0), on_grid.max(0)
+
+
+def experiment_runs(args: Curves) -> dict[str, list[Path]]:
+    """label -> the run directories (one per seed) of each experiment: the --runs, or those of each --exp-names."""
+    if bool(args.runs) == bool(args.exp_names):
+        fail("give either --runs (run folders) or --env-id with --exp-names")
+    if args.runs:
+        for run in args.runs:
+            if not Path(run).is_dir():
+                fail(f"--runs: {run} is not a directory")
+        labels = args.labels or [args.env_id or "runs"]
+        if len(labels) != 1:
+            fail(f"--labels needs one name for the --runs (the seeds of one experiment), got {len(labels)}")
+        return {labels[0]: [Path(run) for run in args.runs]}
+    if not args.env_id:
+        fail("--exp-names needs --env-id (runs are found by the name {env_id}__{exp_name}__{seed}__{time})")
+    labels = args.labels or args.exp_names
+    if len(labels) != len(args.exp_names):
+        fail(f"--labels needs one name per --exp-names entry ({len(args.exp_names)}), got {len(labels)}")
+    if len(set(labels)) != len(labels):
+        fail(f"--labels must differ from each other, got {labels}")
+    return {label: list(find_runs(args.runs_dir, args.env_id, exp_name).values())
+            for exp_name, label in zip(args.exp_names, labels)}
+
+
+def parse_references(references: list[str]) -> list[tuple[str, float]]:
+    parsed = []
+    for reference in references:
+        label, _, value = reference.rpartition("=")
+        try:
+            parsed.append((label, float(value)))
+        except ValueError:
+            fail(f'--references takes "label=value" with a number as value, got {reference!r}')
+        if not label:
+            fail(f'--references takes "label=value" with a non-empty label, got {reference!r}')
+    return parsed
+
+
+def plot_curves(args: Curves):
+    runs = experiment_runs(args)
+    references = parse_references(args.references)
+    if args.final_window < 1:
+        fail(f"--final-window must be at least 1, got {args.final_window}")
+    figure, axes = plt.subplots(len(args.tags), 2, figsize=(11, 3.6 * len(args.tags)), squeeze=False)
+    finals = []  # (label, tag, the final value of each seed)
+    for row, tag in enumerate(args.tags):
+        for (label, run_dirs), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+            series = [read_run(path, tag) for path in run_dirs]
+            finals.append((label, tag, [values[-args.final_window:].mean() for _, _, values in series]))
+            seeds = len(series)
+            for column, x_index in enumerate([0, 1]):  # env steps, wall time
+                axis = axes[row][column]
+                if seeds == 1:
+                    axis.plot(series[0][x_index], series[0][2], color=color, label=f"{label} (1 seed)")
+                    continue
+                grid, mean, low, high = mean_and_spread([s[x_index] for s in series], [s[2] for s in series])
+                axis.plot(grid, mean, color=color, label=f"{label} ({seeds} seeds: mean, min-max)")
+                axis.fill_between(grid, low, high, color=color, alpha=0.2, linewidth=0)
+        for (label, value), color in zip(references if row == 0 else [], ["tab:red", "tab:purple", "tab:brown"] * 9):
+            for axis in axes[row]:
+                axis.axhline(value, linestyle="--", color=color, linewidth=1.2, label=label)
+        for column, xlabel in enumerate(["environment steps", "wall time (s)"]):
+            axes[row][column].set_xlabel(xlabel)
+            axes[row][column].set_ylabel(tag)
+            axes[row][column].grid(alpha=0.3)
+        axes[row][0].legend(loc="best", fontsize=8)
+    figure.suptitle(args.title or ", ".join(filter(None, [args.env_id, args.hardware])))
+    figure.tight_layout()
+    save(figure, args.output)
+    print(f"| experiment | scalar | final value per seed (mean of the last {args.final_window} logged) "
+          "| mean | std | min - max |\n|---|---|---|---|---|---|")
+    for label, tag, values in finals:
+        print(f"| {label.replace(chr(10), ' ')} | {tag} | {', '.join(f'{v:,.1f}' for v in values)} "
+              f"| {np.mean(values):,.1f} | {np.std(values):,.1f} | {min(values):,.1f} - {max(values):,.1f} |")
+
+
+def plot_sps(args: Sps):
+    labels = args.labels or args.exp_names
+    if len(labels) != len(args.exp_names):
+        fail(f"--labels needs one name per --exp-names entry ({len(args.exp_names)}), got {len(labels)}")
+    rows = []
+    for exp_name, label in zip(args.exp_names, labels):
+        finals = [read_run(path, "charts/SPS")[2][-1] for path in find_runs(args.runs_dir, args.env_id, exp_name).values()]
+        rows.append((label, np.mean(finals), np.min(finals), np.max(finals), len(finals)))
+    figure, axis = plt.subplots(figsize=(8, 3.8))
+    positions = np.arange(len(rows))
+    means = np.array([row[1] for row in rows])
+    errors = np.array([[row[1] - row[2] for row in rows], [row[3] - row[1] for row in rows]])
+    axis.bar(positions, means, yerr=errors, capsize=4, color="tab:blue", alpha=0.8)
+    for position, mean in zip(positions, means):
+        axis.text(position, mean * 0.5, f"{mean:,.0f}", ha="center", color="white", fontweight="bold")
+    axis.set_xticks(positions, [row[0] for row in rows])
+    axis.set_ylabel("steps per second (SPS)")
+    axis.grid(axis="y", alpha=0.3)
+    axis.set_title(f"{args.env_id} throughput by device layout, {args.hardware}\n"
+                   f"(final SPS since the start of each run; bars: mean of {rows[0][4]} seeds, whiskers: min-max)",
+                   fontsize=10)
+    figure.tight_layout()
+    save(figure, args.output)
+    print("| layout | SPS (mean) | min - max | seeds |\n|---|---|---|---|")
+    for label, mean, low, high, seeds in rows:
+        print(f"| {label.replace(chr(10), ' ')} | {mean:,.0f} | {low:,.0f} - {high:,.0f} | {seeds} |")
+
+
+def save(figure, output: str):
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    print(f"wrote {output} ({Path(output).stat().st_size // 1024} KB)")
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Curves | Sps)
+    plot_curves(args) if isinstance(args, Curves) else plot_sps(args)

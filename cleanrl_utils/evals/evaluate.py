@@ -1,0 +1,284 @@
+"""Evaluate a saved model (`--save-model`) of any cleanba/ script for N episodes; optionally record MP4 videos.
+
+    uv run python -m cleanrl_utils.evals.evaluate --model-path runs/RUN/EXP.cleanrl_model --eval-episodes 10 \\
+        [--greedy] [--capture-video]
+
+The model file names the script that made it ("script"); the evaluator imports that script from cleanba/
+(or from --script) and uses its `make_env(env_id, seed, num_envs, render_mode)` and
+`make_eval_policy(args, model, greedy)`, so it needs no code of its own for any algorithm. Returns are
+the real game's: unclipped rewards (info["reward"] if present) summed until game over (info["terminated"]
+if present, else terminated) or truncation.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Args:
+    model_path: str
+    """the .cleanrl_model file written by a cleanba/ script's --save-model"""
+    eval_episodes: int = 10
+    """the number of episodes to evaluate"""
+    greedy: bool = False
+    """take the most likely action (Gaussian mean for continuous actions) instead of sampling from the policy"""
+    capture_video: bool = False
+    """record env 0's episodes as MP4 files into --video-folder"""
+    video_folder: str | None = None
+    """where the videos go (default: videos/{run_name}/ of the model's run)"""
+    num_envs: int = 8
+    """the number of environments stepped together (at most --eval-episodes)"""
+    seed: int | None = None
+    """seed of the environments and of the action sampling (default: the model's training seed)"""
+    script: str | None = None
+    """the script that trained the model (default: cleanba/{the model's "script"}.py of this repository);
+    needed when you trained with a copy of a script kept elsewhere"""
+
+
+class EvalError(ValueError):
+    """Bad input: the CLI prints its message as one `error:` line and exits with code 2."""
+
+
+def load_model(model_path: str | os.PathLike) -> dict:
+    import flax.serialization
+
+    path = Path(model_path)
+    if not path.is_file():
+        raise EvalError(f"--model-path {str(path)!r} is not a file")
+    try:
+        model = flax.serialization.msgpack_restore(path.read_bytes())
+    except Exception as error:  # msgpack raises several types for foreign bytes
+        raise EvalError(f"--model-path {str(path)!r} is not a saved model ({type(error).__name__})") from None
+    if not isinstance(model, dict) or not {"script", "args", "params"} <= model.keys():
+        raise EvalError(f"--model-path {str(path)!r} is not a saved model of a cleanba/ script "
+                        "(it needs the keys script, args and params)")
+    return model
+
+
+def script_path(model: dict, script: str | os.PathLike | None = None) -> Path:
+    """The training script of a model: --script if given, else cleanba/{model["script"]}.py."""
+    if script is not None:
+        path = Path(script)
+        if not path.is_file():
+            raise EvalError(f"--script {str(path)!r} is not a file")
+        return path
+    name = model["script"]
+    path = REPO / "cleanba" / f"{name}.py"
+    if not (isinstance(name, str) and name.isidentifier() and path.is_file()):
+        raise EvalError(f"the model was made by script {name!r}, which is not in {REPO / 'cleanba'}: "
+                        "pass the script's file with --script")
+    return path
+
+
+def load_script(path: Path):
+    """Import a training script as a module (its `if __name__ == "__main__"` part does not run)."""
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_for_eval", path)
+    if spec is None or path.suffix != ".py":
+        raise EvalError(f"script {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name in ["Args", "make_env", "make_eval_policy"]:
+        if not hasattr(module, name):
+            raise EvalError(f"script {str(path)!r} has no {name}: it does not follow the evaluation contract "
+                            "(make_env(env_id, seed, num_envs, render_mode), make_eval_policy(args, model, greedy))")
+    return module
+
+
+def saved_args(module, model: dict):
+    """The script's Args as saved; flags unknown to this version of the script are ignored."""
+    known = {field.name for field in dataclasses.fields(module.Args)}
+    return module.Args(**{name: value for name, value in json.loads(model["args"]).items() if name in known})
+
+
+class VideoRecorder:
+    """One H.264 MP4 per episode (imageio-ffmpeg's bundled ffmpeg): {folder}/eval-episode-{k}.mp4."""
+
+    def __init__(self, folder: str | os.PathLike, fps: int = 30):
+        self.folder, self.fps = Path(folder), fps
+        self.writer, self.episode, self.paths = None, 0, []
+
+    def add_frame(self, frame: np.ndarray):
+        import imageio_ffmpeg
+
+        if self.writer is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.paths.append(self.folder / f"eval-episode-{self.episode}.mp4")
+            height, width = frame.shape[:2]
+            # macro_block_size=2: keep the frame's own size (yuv420p only needs even sides)
+            self.writer = imageio_ffmpeg.write_frames(str(self.paths[-1]), (width, height), fps=self.fps,
+                                                      codec="libx264", macro_block_size=2)
+            with warnings.catch_warnings():
+                # JAX warns at every fork; this one is subprocess's fork+exec of ffmpeg, which is safe
+                warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+                self.writer.send(None)  # starts ffmpeg
+        self.writer.send(np.ascontiguousarray(frame))
+
+    def end_episode(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.episode += 1
+
+
+def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder | None = None) -> list[float]:
+    """Step `envs` with `policy` until each env has finished its share of `num_episodes`.
+
+    Env i plays episodes i, i + num_envs, i + 2 num_envs, ... and its later episodes are not counted:
+    counting the first N to finish would favour short episodes. The returned list is in episode
+    order, so a run is reproducible for a given seed and number of envs. `recorder` gets env 0's frames.
+    """
+    obs, _ = envs.reset()
+    num_envs = len(obs)
+    quota = [num_episodes // num_envs + (i < num_episodes % num_envs) for i in range(num_envs)]
+    returns: list[list[float]] = [[] for _ in range(num_envs)]
+    episode_returns = np.zeros(num_envs, dtype=np.float64)
+    if recorder is not None:
+        recorder.add_frame(envs.render()[0])
+    while any(len(returns[i]) < quota[i] for i in range(num_envs)):
+        actions, key = policy(obs, key)
+        obs, reward, terminated, truncated, info = envs.step(np.asarray(actions))
+        episode_returns += info.get("reward", reward)  # Atari: the unclipped score
+        game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
+        if recorder is not None and len(returns[0]) < quota[0]:
+            recorder.add_frame(envs.render()[0])
+        for i in np.flatnonzero(game_over):
+            if len(returns[i]) < quota[i]:
+                returns[i].append(float(episode_returns[i]))
+                if i == 0 and recorder is not None:
+                    recorder.end_episode()
+        episode_returns[game_over] = 0.0
+    return [returns[i][k] for k in range(max(quota)) for i in range(num_envs) if k < quota[i]]
+
+
+def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: bool = False, capture_video: bool = False,
+             video_folder: str | os.PathLike | None = None, num_envs: int = 8, seed: int | None = None,
+             script: str | os.PathLike | None = None, verbose: bool = True) -> list[float]:
+    """Episodic returns of a saved model, in episode order (see run_episodes)."""
+    import jax
+
+    if eval_episodes <= 0 or num_envs <= 0:
+        raise EvalError(f"--eval-episodes and --num-envs must be positive integers, got {eval_episodes}, {num_envs}")
+    model = load_model(model_path)
+    module = load_script(script_path(model, script))
+    args = saved_args(module, model)
+    seed = args.seed if seed is None else seed
+    if video_folder is None:
+        video_folder = f"videos/{args.run_name}"
+    envs = module.make_env(args.env_id, seed, min(num_envs, eval_episodes),
+                           render_mode="rgb_array" if capture_video else None)
+    policy = module.make_eval_policy(args, model, greedy)
+    recorder = VideoRecorder(video_folder) if capture_video else None
+    start = time.time()
+    returns = run_episodes(envs, policy, eval_episodes, jax.random.key(seed), recorder)
+    if verbose:
+        for index, episodic_return in enumerate(returns):
+            print(f"eval_episode={index} episodic_return={episodic_return:.2f}")
+        print(f"evaluated {model_path} ({'greedy' if greedy else 'sampled'} actions): {len(returns)} episodes, "
+              f"episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} in {time.time() - start:.1f}s", flush=True)
+        if recorder is not None:
+            print(f"videos of env 0's episodes: {', '.join(map(str, recorder.paths))}", flush=True)
+    return returns
+
+
+def log_eval_returns(run_dir: str | os.PathLike, returns: list[float], use_wandb: bool = False):
+    """eval/episodic_return of each evaluation episode (step = episode index, as in CleanRL), in a new
+    TensorBoard event file of the run, and in W&B if the run is tracked."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    writer = EventFileWriter(str(run_dir))
+    for index, episodic_return in enumerate(returns):
+        value = summary_pb2.Summary.Value(tag="eval/episodic_return", simple_value=float(episodic_return))
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=index, summary=summary_pb2.Summary(value=[value])))
+    writer.close()
+    if use_wandb:
+        import wandb
+
+        wandb.define_metric("eval/episode")
+        wandb.define_metric("eval/episodic_return", step_metric="eval/episode")
+        for index, episodic_return in enumerate(returns):
+            wandb.log({"eval/episode": index, "eval/episodic_return": episodic_return})
+
+
+# run in a child process: rendering without a usable OpenGL context (MuJoCo with MUJOCO_GL unset) kills the
+# process, so the probe must not be the training process itself
+_RENDER_PROBE = """
+import sys
+from cleanrl_utils.evals.evaluate import load_script
+from pathlib import Path
+envs = load_script(Path(sys.argv[1])).make_env(sys.argv[2], 0, 1, render_mode="rgb_array")
+envs.reset()
+frame = envs.render()
+assert frame.ndim == 4 and frame.shape[-1] == 3 and frame.dtype.name == "uint8", (frame.shape, frame.dtype)
+"""
+
+
+def check_capture_video(script: str | os.PathLike, env_id: str):
+    """Fail now (one line, exit 2) if env 0 of `env_id` cannot be rendered here, rather than after training."""
+    probe = subprocess.run([sys.executable, "-c", _RENDER_PROBE, str(script), env_id], capture_output=True, text=True)
+    if probe.returncode != 0:
+        lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
+        reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
+        print(f"error: --capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video "
+              "(envpool's MuJoCo envs need an OpenGL context to render)", file=sys.stderr)
+        sys.exit(2)
+
+
+def check_save_model_flags(args, script: str | os.PathLike):
+    """A training script's --capture-video and --upload-model act on the model saved at the end: check now, not
+    after training (one line, exit 2), that --save-model is on, a Hub token exists and env 0 can be rendered."""
+    from cleanrl_utils.huggingface import check_token
+
+    for name in ["capture_video", "upload_model"]:
+        if getattr(args, name) and not args.save_model:
+            print(f"error: --{name.replace('_', '-')} works on the model saved at the end of training: add "
+                  "--save-model", file=sys.stderr)
+            sys.exit(2)
+    if args.upload_model:
+        check_token()
+    if args.capture_video:
+        check_capture_video(script, args.env_id)
+
+
+def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> bool:
+    """What a training script's --save-model does after saving: evaluate the model as `python -m
+    cleanrl_utils.evals.evaluate` does, log eval/episodic_return, record videos, upload. False if the upload failed
+    (the files stay on disk)."""
+    from cleanrl_utils.huggingface import push_to_hub
+
+    video_folder = f"videos/{args.run_name}"
+    episodic_returns = evaluate(model_path, args.eval_episodes, args.eval_greedy, args.capture_video, video_folder,
+                                script=script)
+    log_eval_returns(f"runs/{args.run_name}", episodic_returns, use_wandb=args.track)
+    return not args.upload_model or push_to_hub(args, episodic_returns, model_path, script, video_folder,
+                                                greedy=args.eval_greedy)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    args = tyro.cli(Args, args=argv)
+    try:
+        if args.capture_video:
+            model = load_model(args.model_path)
+            check_capture_video(script_path(model, args.script), json.loads(model["args"])["env_id"])
+        return evaluate(args.model_path, args.eval_episodes, args.greedy, args.capture_video, args.video_folder,
+                        args.num_envs, args.seed, args.script)
+    except EvalError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
