@@ -56,6 +56,9 @@ class HarnessArgs:
     """append the results as one JSON line to this file"""
     summarize: Path | None = None
     """print the JSON lines of this file as a markdown table (for the README) and exit"""
+    baseline: Path | None = None
+    """with --summarize: JSON lines of an earlier version measured in the same session (same script names and
+    flags), shown as the full run's SPS and fraction before"""
 
 
 def spread(rates: list[float]) -> dict:
@@ -209,26 +212,33 @@ def print_table(results: dict, platform: str, separate_devices: bool):
           f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})")
 
 
-def summarize(path: Path):
+def summarize(path: Path, baseline: Path | None):
     """One markdown row per measured config: samples/s of each stage, ceiling, full run, fraction, peak RSS."""
-    print("| script | config | env | inference | learner | serial ceiling | full | of ceiling | peak RSS (MiB) |")
-    print("|-|-|-|-|-|-|-|-|-|")
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    load = lambda file: [json.loads(line) for line in file.read_text().splitlines()]
+    key = lambda r: (r["script"], tuple(r["args"]))
+    before = {key(r): r for r in load(baseline)} if baseline else {}
+    print("| script | config | env | inference | learner | serial ceiling | full | of ceiling |"
+          + (" before: full, of ceiling |" if baseline else "") + " peak RSS (MiB) |")
+    print("|-" * (9 + bool(baseline)) + "|")
+    for r in load(path):
         config = " ".join(r["args"])
         for flag in ["--actor-device-ids 0 ", "--learner-device-ids 1 ", "--learner-device-ids 1"]:
             config = config.replace(flag, "")
         rates = " | ".join(f"{r[stage]['median']:,.0f}" for stage in ["env", "inference", "learner"])
+        old = before.get(key(r))
+        old = f" {old['full']['median']:,.0f}, {old['fraction_of_serial_ceiling']:.0%} |" if old else " |" * bool(baseline)
         print(f"| {r['script'].split('_')[1]} | `{config.strip()}` | {rates} | {r['serial_ceiling']:,.0f} | "
-              f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} | {r['full']['peak_rss_mib_last']:,.0f} |")
+              f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |{old} "
+              f"{r['full']['peak_rss_mib_last']:,.0f} |")
 
 
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     harness = tyro.cli(HarnessArgs, args=argv[:split])
+    harness.script = harness.script.resolve()  # the full runs start in a temporary folder
     if harness.summarize:
-        return summarize(harness.summarize)
+        return summarize(harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
     module = load_script(harness.script)
     args = tyro.cli(module.Args, args=script_args)

@@ -1,6 +1,7 @@
 """benchmark/throughput.py: every stage is measured on the script's own functions and the table adds up."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,8 +18,9 @@ TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-step
 def test_stage_table_and_json(script, workdir):
     results_file = workdir / "results.jsonl"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--script", str(script), "--repeats", "2",
-         "--stage-rollouts", "1", "--full-repeats", "1", "--full-updates", "12", "--warmup-updates", "2",
+        # the script as a relative path, as users give it (the full runs start in a temporary folder)
+        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--script", os.path.relpath(script, workdir),
+         "--repeats", "2", "--stage-rollouts", "1", "--full-repeats", "1", "--full-updates", "12", "--warmup-updates", "2",
          "--json", str(results_file), "--", *TINY_CARTPOLE],
         cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
