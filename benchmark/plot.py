@@ -100,7 +100,7 @@ def plot_curves(args: Curves):
     if len(labels) != len(args.exp_names):
         fail(f"--labels needs one name per --exp-names entry ({len(args.exp_names)}), got {len(labels)}")
     runs = {exp_name: find_runs(args.runs_dir, args.env_id, exp_name) for exp_name in args.exp_names}
-    figure, axes = plt.subplots(len(args.tags), 2, figsize=(11, 3.6 * len(args.tags)), squeeze=False)
+    figure, axes = plt.subplots(len(args.tags), 2, figsize=(11, 0.4 + 3.1 * len(args.tags)), squeeze=False)
     for row, tag in enumerate(args.tags):
         for exp_name, label, color in zip(args.exp_names, labels, plt.rcParams["axes.prop_cycle"].by_key()["color"]):
             series = [read_run(path, tag) for path in runs[exp_name].values()]
