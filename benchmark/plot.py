@@ -149,7 +149,7 @@ def plot_curves(args: Curves):
     references = parse_references(args.references)
     if args.final_window < 1:
         fail(f"--final-window must be at least 1, got {args.final_window}")
-    figure, axes = plt.subplots(len(args.tags), 2, figsize=(11, 3.6 * len(args.tags)), squeeze=False)
+    figure, axes = plt.subplots(len(args.tags), 2, figsize=(11, 0.4 + 3.1 * len(args.tags)), squeeze=False)
     finals = []  # (label, tag, the final value of each seed)
     for row, tag in enumerate(args.tags):
         for (label, run_dirs), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
