@@ -3,7 +3,7 @@
 For one script and one config (the script's own flags, after `--`) this measures
   env        envpool alone: one actor thread's envs stepped with random actions (same envpool settings)
   inference  the actor's jitted policy alone, on the actor device, on real observations (incl. device_get)
-  learner    one learner update alone, on a stored rollout, on the learner devices
+  learner    the learner alone: updates on a stored rollout, on the learner devices
   actor      one actor thread alone (the script's `rollout`: env + inference + storage + transfer)
   full       the script itself, as a user runs it (a subprocess), steady state: after --warmup-updates
 and prints samples/s for each (median of the repeats, and the spread min..max), the serial ceiling
@@ -45,7 +45,7 @@ class HarnessArgs:
     repeats: int = 5
     """repeats of each stage measurement (the table shows the median and the spread)"""
     stage_rollouts: int = 3
-    """rollouts (of --num-steps steps each) per env/inference/actor measurement"""
+    """rollouts (of --num-steps steps each) per env/inference/actor measurement, and updates per learner one"""
     full_repeats: int = 3
     """how many times the full script runs"""
     full_updates: int = 60
@@ -155,12 +155,13 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     learner_state = jax.device_put(agent_state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     learner_key = jax.random.key(args.seed)
 
-    def learn():
+    def learn():  # as many updates as rollouts in the other stages: a small update takes only a millisecond
         nonlocal learner_state, learner_key
-        learner_state, metrics, learner_key = update(learner_state, storage, learner_key)
+        for _ in range(harness.stage_rollouts):
+            learner_state, metrics, learner_key = update(learner_state, storage, learner_key)
         jax.block_until_ready((learner_state, metrics))
 
-    results["learner"] = timed_rates(learn, args.batch_size, harness.repeats)
+    results["learner"] = timed_rates(learn, args.batch_size * harness.stage_rollouts, harness.repeats)
     return results
 
 
@@ -227,7 +228,7 @@ def summarize(path: Path, baseline: Path | None):
         rates = " | ".join(f"{r[stage]['median']:,.0f}" for stage in ["env", "inference", "learner"])
         old = before.get(key(r))
         old = f" {old['full']['median']:,.0f}, {old['fraction_of_serial_ceiling']:.0%} |" if old else " |" * bool(baseline)
-        print(f"| {r['script'].split('_')[1]} | `{config.strip()}` | {rates} | {r['serial_ceiling']:,.0f} | "
+        print(f"| {r['script'].removeprefix('cleanba_').split('_envpool')[0]} | `{config.strip()}` | {rates} | {r['serial_ceiling']:,.0f} | "
               f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |{old} "
               f"{r['full']['peak_rss_mib_last']:,.0f} |")
 
