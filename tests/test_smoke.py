@@ -6,14 +6,14 @@ import flax
 import numpy as np
 import pytest
 
-from conftest import IMPALA_SCRIPT, PPO_SCRIPT, TINY_BREAKOUT, TINY_BREAKOUT_PPO, run_script
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, TINY_BREAKOUT, TINY_BREAKOUT_PPO, load_script, run_script
 
 TAGS = [
     "charts/SPS", "charts/avg_episodic_return", "charts/avg_episodic_length", "charts/learning_rate",
     "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/loss",
     "stats/params_queue_get_time", "stats/rollout_time", "stats/inference_time", "stats/env_step_time",
     "stats/storage_time", "stats/rollout_queue_put_time", "stats/rollout_queue_get_time", "stats/training_time",
-    "stats/actor_policy_version", "stats/learner_policy_version",
+    "stats/actor_policy_version", "stats/learner_policy_version", "stats/peak_rss_mib",
 ]
 
 
@@ -83,3 +83,16 @@ def test_save_model_and_track_offline(workdir):
     assert list((workdir / "wandb").glob("offline-run-*")), "no offline W&B run written"
     assert model["script"] == "cleanba_ppo_envpool_impala_atari_wrapper"
     assert len(run.scalars()["eval/episodic_return"]) == 1
+
+
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT, MUJOCO_SCRIPT], ids=["ppo", "impala", "mujoco"])
+def test_envpool_threads_default_leaves_a_core_and_shares_the_rest(script, monkeypatch):
+    module = load_script(script)
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(9)), raising=False)
+    args = module.Args(num_actor_threads=2, actor_device_ids=[0, 1])
+    assert module.envpool_num_threads(args) == 2  # (9 cores - 1) // 4 actor threads
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert module.envpool_num_threads(args) == 1  # never 0
+    assert module.envpool_num_threads(module.Args(envpool_threads=3)) == 3
+    envs = module.make_env("Hopper-v4" if script == MUJOCO_SCRIPT else "CartPole-v1", 0, 2, num_threads=1)
+    assert dict(zip(envs.spec._config_keys, envs.spec._config_values))["num_threads"] == 1
