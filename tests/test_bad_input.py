@@ -1,8 +1,9 @@
 """Bad input: a one-line error naming the flag and what is allowed, exit code 2, before any heavy work."""
 
 import pytest
+import tyro
 
-from conftest import run_script
+from conftest import load_script, run_script
 
 CASES = {
     "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
@@ -29,8 +30,32 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("flags,message", CASES.values(), ids=CASES.keys())
-def test_bad_input_is_one_clear_line(workdir, flags, message):
+# as users meet them, in a subprocess: one case per place the checks run (before JAX starts, on the devices,
+# on the batch size); the other cases call the script's main() in this process (a subprocess costs ~6 s each)
+SUBPROCESS_CASES = ["zero envs", "device id out of range", "fewer steps than a batch"]
+IN_PROCESS_CASES = [name for name in CASES if name not in SUBPROCESS_CASES]
+
+
+@pytest.fixture(scope="module")
+def ppo():
+    return load_script()
+
+
+@pytest.mark.parametrize("name", IN_PROCESS_CASES)
+def test_bad_input_is_one_clear_line_in_process(ppo, name, workdir, monkeypatch, capsys):
+    flags, message = CASES[name]
+    monkeypatch.chdir(workdir)
+    with pytest.raises(SystemExit) as exit_info:
+        ppo.main(tyro.cli(ppo.Args, args=flags))
+    assert exit_info.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], error_lines
+    assert not (workdir / "runs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("name", SUBPROCESS_CASES)
+def test_bad_input_is_one_clear_line(workdir, name):
+    flags, message = CASES[name]
     # two host devices exist (set by the user), so id 3 is out of range
     run = run_script(flags, workdir, timeout=60, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     assert run.returncode == 2, (run.stdout, run.stderr)
