@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cleanrl_utils.flags import UsageError
+
 
 def repo_name(env_id: str, exp_name: str, seed: int) -> str:
     return f"{env_id}-{exp_name}-seed{seed}"
@@ -95,12 +97,11 @@ def prepare_upload_folder(folder: str | Path, model_path: str | Path, script_pat
 
 
 def check_token():
-    """--upload-model: fail before training (one line, exit 2) if no Hugging Face token is configured."""
+    """--upload-model: fail before training (UsageError) if no Hugging Face token is configured."""
     from huggingface_hub import get_token
 
     if not get_token():
-        print("error: --upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
 
 
 def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, script_path: str | Path,

@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import tyro
 
+from cleanrl_utils.flags import UsageError
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,7 +50,7 @@ class Args:
     needed when you trained with a copy of a script kept elsewhere"""
 
 
-class EvalError(ValueError):
+class EvalError(UsageError):
     """Bad input: the CLI prints its message as one `error:` line and exits with code 2."""
 
 
@@ -99,7 +101,7 @@ def load_script(path: Path):
 
 def saved_args(module, model: dict):
     """The script's Args as saved; flags unknown to this version of the script are ignored."""
-    known = {field.name for field in dataclasses.fields(module.Args)}
+    known = {field.name for field in dataclasses.fields(module.Args) if field.init}  # flags, not runtime values
     return module.Args(**{name: value for name, value in json.loads(model["args"]).items() if name in known})
 
 
@@ -227,30 +229,46 @@ assert frame.ndim == 4 and frame.shape[-1] == 3 and frame.dtype.name == "uint8",
 
 
 def check_capture_video(script: str | os.PathLike, env_id: str):
-    """Fail now (one line, exit 2) if env 0 of `env_id` cannot be rendered here, rather than after training."""
+    """Fail now (UsageError) if env 0 of `env_id` cannot be rendered here, rather than after training."""
     probe = subprocess.run([sys.executable, "-c", _RENDER_PROBE, str(script), env_id], capture_output=True, text=True)
     if probe.returncode != 0:
         lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
         reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
-        print(f"error: --capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video "
-              "(envpool's MuJoCo envs need an OpenGL context to render)", file=sys.stderr)
-        sys.exit(2)
+        raise UsageError(f"--capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video "
+                         "(envpool's MuJoCo envs need an OpenGL context to render)")
 
 
 def check_save_model_flags(args, script: str | os.PathLike):
     """A training script's --capture-video and --upload-model act on the model saved at the end: check now, not
-    after training (one line, exit 2), that --save-model is on, a Hub token exists and env 0 can be rendered."""
+    after training (UsageError), that --save-model is on, a Hub token exists and env 0 can be rendered."""
     from cleanrl_utils.huggingface import check_token
 
     for name in ["capture_video", "upload_model"]:
         if getattr(args, name) and not args.save_model:
-            print(f"error: --{name.replace('_', '-')} works on the model saved at the end of training: add "
-                  "--save-model", file=sys.stderr)
-            sys.exit(2)
+            raise UsageError(f"--{name.replace('_', '-')} works on the model saved at the end of training: add "
+                             "--save-model")
     if args.upload_model:
         check_token()
     if args.capture_video:
         check_capture_video(script, args.env_id)
+
+
+def save_model(args, script: str | os.PathLike, contents: dict) -> str:
+    """--save-model: runs/{run_name}/{exp_name}.cleanrl_model, msgpack of the script's name (the evaluator imports
+    it), its flags and `contents` (params, and whatever else its make_eval_policy reads)."""
+    import flax.serialization
+
+    model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
+    with open(model_path, "wb") as f:
+        f.write(flax.serialization.msgpack_serialize(
+            {"script": Path(script).stem, "args": json.dumps(dataclasses.asdict(args)), **contents}))
+    print(f"model saved to {model_path}", flush=True)
+    return model_path
+
+
+def save_evaluate_upload(args, script: str | os.PathLike, contents: dict) -> bool:
+    """--save-model at the end of a training script: save, evaluate, record videos, upload (False: upload failed)."""
+    return evaluate_and_upload(args, save_model(args, script, contents), script)
 
 
 def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> bool:
@@ -267,17 +285,18 @@ def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> boo
                                                 greedy=args.eval_greedy)
 
 
+def evaluate_saved_model(args: Args) -> list[float]:
+    if args.capture_video:
+        model = load_model(args.model_path)
+        check_capture_video(script_path(model, args.script), json.loads(model["args"])["env_id"])
+    return evaluate(args.model_path, args.eval_episodes, args.greedy, args.capture_video, args.video_folder,
+                    args.num_envs, args.seed, args.script)
+
+
 def main(argv: list[str] | None = None) -> list[float]:
-    args = tyro.cli(Args, args=argv)
-    try:
-        if args.capture_video:
-            model = load_model(args.model_path)
-            check_capture_video(script_path(model, args.script), json.loads(model["args"])["env_id"])
-        return evaluate(args.model_path, args.eval_episodes, args.greedy, args.capture_video, args.video_folder,
-                        args.num_envs, args.seed, args.script)
-    except EvalError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    from cleanrl_utils.flags import run_cli
+
+    return run_cli(evaluate_saved_model, Args, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""Device layout: host devices on CPU, `jax.distributed`, the learner mesh over every process, device-id checks.
+
+The actor devices are local to each process; the learner devices are `--learner-device-ids` of *every* process,
+in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
+"""
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from cleanrl_utils.flags import UsageError, flag
+
+_distributed = {"started": False}
+
+
+def distributed_started() -> bool:
+    return _distributed["started"]
+
+
+def ensure_host_devices(device_ids: list[int]):
+    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
+
+    The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
+    already set in XLA_FLAGS wins (appending never overwrites it); too few then fails the id check.
+    """
+    needed = max(device_ids) + 1
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+
+
+def envpool_num_threads(requested: int, actor_threads_per_process: int) -> int:
+    """`--envpool-threads`, or this process's cores but one (left to the learner and inference) shared by its actor
+    threads: on 2 cores, 1 thread instead of envpool's default (all cores) ran CartPole PPO 22% faster."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores - 1) // actor_threads_per_process)
+
+
+@dataclass
+class DeviceLayout:
+    actor_devices: list  # this process's devices that run actor threads
+    learner_devices: list  # this process's learner devices
+    global_learner_devices: list  # the learner devices of every process, process-major: the mesh
+    mesh: object  # jax.sharding.Mesh over global_learner_devices, axis "batch"
+    world_size: int  # the number of processes
+    local_rank: int  # this process's index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.local_rank == 0
+
+
+def device_layout(args) -> DeviceLayout:
+    """Start jax.distributed if asked (`args.distributed`), then check the device ids against this process's
+    devices. Call it after the flag checks: it starts JAX's backend."""
+    ensure_host_devices(args.actor_device_ids + args.learner_device_ids)
+    import jax
+    from jax.sharding import Mesh
+
+    if args.distributed:
+        try:
+            # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                       heartbeat_timeout_seconds=args.heartbeat_timeout)
+        except ValueError as error:  # e.g. no SLURM and no --coordinator-address: JAX cannot tell the cluster
+            raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
+        _distributed["started"] = True
+    local_devices = jax.local_devices()
+    for name in ["actor_device_ids", "learner_device_ids"]:
+        if max(getattr(args, name)) >= len(local_devices):
+            raise UsageError(f"{flag(name)} {getattr(args, name)} out of range: this process has {len(local_devices)} "
+                             f"{local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
+    world_size = jax.process_count()
+    global_learner_devices = [
+        device for process in range(world_size) for i, device in enumerate(
+            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
+        if i in args.learner_device_ids
+    ]
+    return DeviceLayout(
+        actor_devices=[local_devices[i] for i in args.actor_device_ids],
+        learner_devices=[local_devices[i] for i in args.learner_device_ids],
+        global_learner_devices=global_learner_devices,
+        mesh=Mesh(np.array(global_learner_devices), ("batch",)),
+        world_size=world_size,
+        local_rank=jax.process_index(),
+    )
+
+
+def replicate(tree, mesh):
+    """Host values, identical in every process, to one replicated global array per leaf over the mesh."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.device_put(jax.device_get(tree), NamedSharding(mesh, PartitionSpec()))
+
+
+def local_value(tree):
+    """This process's copy of a replicated (possibly multi-process) tree, as NumPy arrays."""
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+
+
+def copies_for_devices(tree, devices: list) -> dict:
+    """One copy of our shard of a replicated tree per device (e.g. the params, per actor device, shared by its
+    threads); a copy even on a learner device, since the learner donates its buffers."""
+    import jax
+
+    local = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
+    return {device: jax.device_put(local, device, may_alias=False) for device in devices}
+
+
+def shutdown():
+    if distributed_started():
+        import jax
+
+        jax.distributed.shutdown()
+        _distributed["started"] = False

@@ -1,0 +1,106 @@
+"""Flags: the typed error for bad input, the marker for flags a resumed run may change, checks, the CLI entry.
+
+Library code raises `UsageError`; only `run_cli` turns it into what a user sees: one `error:` line naming the
+flag, exit code 2 (like argparse).
+"""
+
+import dataclasses
+import math
+import os
+import sys
+import typing
+from typing import Annotated, TypeVar
+
+import tyro
+
+T = TypeVar("T")
+
+
+class UsageError(ValueError):
+    """Bad input, named by its flag: `run_cli` prints it as one `error:` line and exits with code 2."""
+
+
+class _RunSetting:
+    def __repr__(self):
+        return "RunSetting"
+
+
+RUN_SETTING = _RunSetting()
+RunSetting = Annotated[T, RUN_SETTING]
+"""Marks a flag that says where and how a run runs (devices, logging, checkpoint and evaluation settings), not
+what it computes: a resumed run may change it. Every other flag must match the checkpoint's value."""
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def settable_flags(args) -> dict:
+    """The flags a user sets (the init fields of the dataclass); runtime values (init=False) are not flags."""
+    return {field.name: getattr(args, field.name) for field in dataclasses.fields(args) if field.init}
+
+
+def computation_flags(args) -> dict:
+    """The flags that shape the computation: every settable flag not marked `RunSetting`."""
+    hints = typing.get_type_hints(type(args), include_extras=True)
+    return {name: value for name, value in settable_flags(args).items()
+            if RUN_SETTING not in getattr(hints[name], "__metadata__", ())}
+
+
+def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), non_negative=(), unit_interval=(),
+                positive_int_lists=(), device_id_lists=()):
+    """Range checks by kind, each failing with the flag's name and what is allowed. Floats must be finite."""
+    for name in positive_ints:
+        if getattr(args, name) <= 0:
+            raise UsageError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    for name in non_negative_ints:
+        if getattr(args, name) < 0:
+            raise UsageError(f"{flag(name)} must be 0 (off / automatic) or a positive integer, got {getattr(args, name)}")
+    for name in positive:
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise UsageError(f"{flag(name)} must be positive and finite, got {getattr(args, name)}")
+    for name in non_negative:
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise UsageError(f"{flag(name)} must be non-negative and finite, got {getattr(args, name)}")
+    for name in unit_interval:
+        if not 0 <= getattr(args, name) <= 1:
+            raise UsageError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    for name in positive_int_lists:
+        if not getattr(args, name) or min(getattr(args, name)) <= 0:
+            raise UsageError(f"{flag(name)} must be one or more positive integers, got {getattr(args, name)}")
+    for name in device_id_lists:
+        ids = getattr(args, name)
+        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise UsageError(f"{flag(name)} must be one or more distinct non-negative device ids, got {ids}")
+
+
+def run_cli(main, args_class, argv: list[str] | None = None):
+    """Parse the flags with tyro and run `main(args)`; a `UsageError` becomes one `error:` line and exit code 2.
+
+    After jax.distributed has started, the exit skips the interpreter's shutdown: its exit barrier would wait
+    for peers that may still be training (they stop with their own error, or when their heartbeat times out).
+    """
+    args = tyro.cli(args_class, args=argv)
+    try:
+        return main(args)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        from cleanrl_utils import devices
+
+        if devices.distributed_started():
+            sys.stdout.flush()
+            os._exit(2)
+        sys.exit(2)
+
+
+def check_run_flags(args):
+    """The flags every script shares (logging, checkpoints, devices, processes): checked before JAX starts."""
+    check_flags(args, positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"],
+                non_negative_ints=["checkpoint_frequency", "envpool_threads"],
+                positive=["queue_timeout", "heartbeat_timeout"], device_id_lists=["actor_device_ids", "learner_device_ids"])
+    if args.resume and args.run_name is None:
+        raise UsageError("--resume needs --run-name: the name of the run to continue")
+    if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
+        raise UsageError("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
+    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")

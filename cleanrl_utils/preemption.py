@@ -1,0 +1,89 @@
+"""Preemption: SIGTERM (SLURM) or Ctrl-C stops the run at an update boundary that every process agrees on.
+
+The learner asks `requested()` once per update. With several processes the answer is agreed (an allgather of
+the signals each has received), so all stop after the same update and write the same checkpoint; a process
+that got no signal still learns that a peer was preempted, and reports the run as interrupted, not finished.
+"""
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+
+import numpy as np
+
+from cleanrl_utils.devices import distributed_started
+from cleanrl_utils.queues import ActorThreads, RunStopped
+
+
+class Preemption:
+    def __init__(self, world_size: int, stop_event: threading.Event):
+        self.world_size, self.stop_event = world_size, stop_event
+        self.received: list[int] = []  # signals this process received
+        self.agreed_signal: int | None = None  # the signal the processes agreed to stop on
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        """Stop at the next update boundary and checkpoint; a second signal interrupts at once."""
+        self.received.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.world_size == 1:
+            self.stop_event.set()  # alone, stop the actors now; several processes first agree on the update
+
+    def requested(self) -> bool:
+        if self.world_size == 1:
+            return bool(self.received)
+        from jax.experimental import multihost_utils
+
+        # every process must stop after the same update, or the others would wait in its collectives
+        signals = multihost_utils.process_allgather(np.int32(self.received[0] if self.received else 0))
+        if signals.any():
+            self.agreed_signal = int(signals.max())
+        return self.agreed_signal is not None
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that ended the run (this process's or a peer's), or None if it ran to the end."""
+        return self.agreed_signal or (self.received[0] if self.received else None)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for "ended by this signal" (143 SIGTERM, 130 Ctrl-C), or 0."""
+        return 128 + self.stop_signal if self.stop_signal else 0
+
+    def report(self, update: int, run_name: str):
+        if self.stop_signal:
+            print(f"stopped by signal {self.stop_signal} after update {update}: run the same command (--run-name "
+                  f"{run_name}) to resume", flush=True)
+
+    @contextmanager
+    def guard(self, actors: ActorThreads, close):
+        """Around the learner loop: a stop by signal ends the loop quietly, an actor's failure is raised here with
+        its traceback, and every actor thread is stopped on the way out (`close()` runs too). With jax.distributed,
+        a failure exits at once: the exit barrier would wait minutes for a peer that may be dead."""
+        try:
+            try:
+                yield
+            except RunStopped:
+                actors.check()  # an actor failed: raise its error; otherwise a signal stopped the run
+                if not self.received:
+                    raise
+        except BaseException:
+            if distributed_started():
+                actors.stop_event.set()
+                close()
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+            raise
+        finally:
+            stuck = actors.stop()
+            close()
+            if stuck:
+                print(f"warning: actor threads {stuck} did not stop within {actors.join_timeout:.0f}s", file=sys.stderr,
+                      flush=True)
