@@ -29,11 +29,14 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import tyro
 
+from cleanrl_utils.devices import device_layout
 from cleanrl_utils.evals.evaluate import load_script
+from cleanrl_utils.flags import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,30 +79,20 @@ def timed_rates(measure, samples: int, repeats: int) -> dict:
     return spread(rates)
 
 
-def set_runtime_args(args, total_updates: int):
-    """What the script's main derives for one process (the harness runs the stages in one process)."""
-    args.world_size, args.local_rank = 1, 0
-    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * len(args.actor_device_ids)
-    args.batch_size = args.local_batch_size
-    args.num_updates = total_updates
-    args.global_learner_device_ids = list(args.learner_device_ids)
-
-
-def measure_stages(module, args, harness: HarnessArgs) -> dict:
+def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
-    devices = jax.local_devices()
-    actor_device = devices[args.actor_device_ids[0]]
-    learner_devices = [devices[i] for i in args.learner_device_ids]
-    mesh = Mesh(np.array(learner_devices), ("batch",))
+    from cleanrl_utils.devices import envpool_num_threads, replicate
+
+    actor_device, learner_devices, mesh = layout.actor_devices[0], layout.learner_devices, layout.mesh
     num_envs, num_steps = args.local_num_envs, args.num_steps
     rollout_samples = num_envs * num_steps * harness.stage_rollouts
     results = {}
 
     # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
-    envs = module.make_env(args.env_id, args.seed, num_envs, num_threads=module.envpool_num_threads(args))
+    num_threads = envpool_num_threads(args.envpool_threads, args.num_actor_threads * len(layout.actor_devices))
+    envs = module.make_env(args.env_id, args.seed, num_envs, num_threads=num_threads)
     action_space = envs.action_space
     action_space.seed(args.seed)
     random_actions = np.stack([np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(num_steps)])
@@ -117,14 +110,13 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     # inference: the actor's per-step call, as `rollout` makes it
     agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
     actor_fns = module.make_actor_fns(agent)
-    actor_fns = actor_fns if isinstance(actor_fns, tuple) else (actor_fns,)  # the first acts, once per env step
     params = jax.device_put(module.actor_params(agent_state), actor_device)
     key = jax.device_put(jax.random.key(args.seed), actor_device)
 
     def infer():
         nonlocal key
         for obs in observations:
-            *outputs, key = actor_fns[0](params, obs, key)
+            *outputs, key = actor_fns.act(params, obs, key)
             jax.device_get(outputs)
 
     results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
@@ -135,8 +127,10 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
         params_queue, rollout_queue, stop_event = queue.Queue(), queue.Queue(), threading.Event()
         for version in range(rollouts):
             params_queue.put((params, version))
-        module.rollout(args, 0, 0, jax.random.key(args.seed), lambda seed: envs, actor_device, learner_devices,
-                       params_queue, rollout_queue, stop_event, *actor_fns)
+        module.rollout(args=args, thread_index=0, start_update=0, key=jax.random.key(args.seed),
+                       make_envs=lambda seed: envs, actor_device=actor_device, learner_devices=learner_devices,
+                       params_queue=params_queue, rollout_queue=rollout_queue, stop_event=stop_event,
+                       actor_fns=actor_fns)
         return [rollout_queue.get()[0] for _ in range(rollouts)]
 
     stored_rollout = run_actor(1)[0]  # also compiles
@@ -148,11 +142,11 @@ def measure_stages(module, args, harness: HarnessArgs) -> dict:
     results["actor"] = spread(actor_rates)
 
     # learner: one update of the global batch (every actor thread's rollout: here copies of the stored one)
-    set_runtime_args(args, total_updates=10**6)
+    args.num_updates = 10**6
     update = module.make_learner_fns(args, agent, mesh)
     threads = args.num_actor_threads * len(args.actor_device_ids)
     storage = module.assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
-    learner_state = jax.device_put(agent_state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    learner_state = replicate(agent_state, mesh)
     learner_key = jax.random.key(args.seed)
 
     def learn():  # as many updates as rollouts in the other stages: a small update takes only a millisecond
@@ -242,16 +236,20 @@ def main():
         return summarize(harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
     module = load_script(harness.script)
-    args = tyro.cli(module.Args, args=script_args)
+    run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
+
+
+def measure(harness: HarnessArgs, module, script_args: list[str], args):
+    """Every stage, then the full script, for one config of one script (in this process: one process's layout)."""
     module.validate_args(args)
-    module.ensure_host_devices(args)  # before JAX starts its backend
+    layout = device_layout(args)  # starts JAX's backend, with the host devices the ids need
     import jax
 
-    set_runtime_args(args, total_updates=1)
+    module.set_runtime_values(args, layout)
     print(f"{harness.script.name} {' '.join(script_args)}")
     print(f"{jax.local_devices()[0].platform}: {jax.local_device_count()} device(s), {os.cpu_count()} cores, "
           f"batch {args.batch_size} samples/update")
-    results = measure_stages(module, args, harness)
+    results = measure_stages(module, args, layout, harness)
     results["full"] = measure_full_run(harness, script_args, args.batch_size)
     rates = [results[name]["median"] for name in ["env", "inference", "learner"]]
     results["serial_ceiling"] = 1 / sum(1 / rate for rate in rates)

@@ -55,8 +55,14 @@ class Run:
         return read_scalars(self.run_dir)
 
 
-def script_command(args: list[str], run_name: str | None, script: Path = PPO_SCRIPT) -> list[str]:
-    return [sys.executable, str(script), *(["--run-name", run_name] if run_name else []), *args]
+FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
+
+
+def script_command(args: list[str], run_name: str | None, script: Path = PPO_SCRIPT,
+                   fault: list[str] | None = None) -> list[str]:
+    """The command a user runs; with `fault` (e.g. ["learner", "3"]) through tests/fault_injection.py."""
+    injection = [str(FAULT_INJECTION), str(script), *fault] if fault else [str(script)]
+    return [sys.executable, *injection, *(["--run-name", run_name] if run_name else []), *args]
 
 
 def script_env(env: dict | None = None) -> dict:
@@ -80,17 +86,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_processes(args: list[str], cwd: Path, num_processes: int, run_name: str = "test",
-                    script: Path = PPO_SCRIPT) -> list[subprocess.Popen]:
-    """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM."""
+def start_processes(args: list[str], cwd: Path | list[Path], num_processes: int, run_name: str = "test",
+                    script: Path = PPO_SCRIPT, fault: list[str] | None = None) -> list[subprocess.Popen]:
+    """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM; `cwd` is one
+    folder for all, or one per process (hosts whose working directories differ)."""
     coordinator = f"127.0.0.1:{free_port()}"
+    cwds = cwd if isinstance(cwd, list) else [cwd] * num_processes
     return [
         subprocess.Popen(script_command([*args, "--distributed", "--coordinator-address", coordinator,
                                          "--num-processes", str(num_processes), "--process-id", str(i)],
-                                        run_name, script),
-                         cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                        run_name, script, fault),
+                         cwd=cwds[i], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in range(num_processes)
     ]
+
+
+def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:
+    """Read `process`'s stdout up to a line starting with `prefix`; fail the test if the process ends first (so a
+    test that signals a run "after update 3" cannot pass when the run died before it)."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    process.wait(timeout=30)
+    pytest.fail(f"the process ended (exit code {process.returncode}) before printing {prefix!r}:\n"
+                f"{''.join(lines)[-2000:]}\n{process.stderr.read()[-3000:]}")
 
 
 @pytest.fixture

@@ -1,13 +1,13 @@
 """Run a cleanba script with a fault injected, as a user's run would meet it.
 
-usage: python tests/fault_injection.py SCRIPT {env|learner} N [script flags...]
-  env N:     every actor's environment raises after N steps
-  learner N: the learner raises at its N-th update
+usage: python tests/fault_injection.py SCRIPT {env|learner|slow-checkpoint} N [script flags...]
+  env N:             every actor's environment raises after N steps
+  learner N:         the learner raises at its N-th update
+  slow-checkpoint N: every checkpoint write prints "checkpoint write started: update=U" and takes N seconds longer
 """
 
 import sys
-
-import tyro
+import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from conftest import load_script  # noqa: E402
@@ -50,9 +50,19 @@ def main():
             return assemble(*args, **kwargs)
 
         script.assemble_global_rollout = failing_assemble
+    elif fault == "slow-checkpoint":
+        class SlowCheckpoints(script.Checkpoints):
+            def save(self, update, *args, **kwargs):
+                print(f"checkpoint write started: update={update}", flush=True)
+                time.sleep(n)  # a signal that arrives now arrives while the checkpoint is being written
+                return super().save(update, *args, **kwargs)
+
+        script.Checkpoints = SlowCheckpoints
     else:
         raise SystemExit(f"unknown fault {fault!r}")
-    script.main(tyro.cli(script.Args))
+    from cleanrl_utils.flags import run_cli
+
+    sys.exit(run_cli(script.main, script.Args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Bad input: a one-line error naming the flag and what is allowed, exit code 2, before any heavy work."""
 
 import pytest
-import tyro
 
+from cleanrl_utils.flags import run_cli
 from conftest import load_script, run_script
 
 CASES = {
@@ -21,6 +21,10 @@ CASES = {
     "continuous env": (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),
     "fewer steps than a batch": (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch"),
     "zero learning rate": (["--learning-rate", "0"], "--learning-rate must be positive"),
+    "infinite learning rate": (["--learning-rate", "inf"], "--learning-rate must be positive and finite, got inf"),
+    "negative gradient clip": (["--max-grad-norm", "-1"], "--max-grad-norm must be positive and finite"),
+    "negative clip coefficient": (["--clip-coef", "-5"], "--clip-coef must be positive and finite"),
+    "negative entropy coefficient": (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
     "video without a saved model": (["--capture-video"], "--capture-video works on the model saved at the end of "
@@ -46,7 +50,7 @@ def test_bad_input_is_one_clear_line_in_process(ppo, name, workdir, monkeypatch,
     flags, message = CASES[name]
     monkeypatch.chdir(workdir)
     with pytest.raises(SystemExit) as exit_info:
-        ppo.main(tyro.cli(ppo.Args, args=flags))
+        run_cli(ppo.main, ppo.Args, flags)  # what `python script.py FLAGS` runs
     assert exit_info.value.code == 2
     error_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in error_lines[0], error_lines

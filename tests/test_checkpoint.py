@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from conftest import read_scalars, run_script, script_command, script_env
+from conftest import read_scalars, run_script, script_command, script_env, wait_for_line
 
 # 12 updates of 128 steps; a checkpoint every 3 updates, the 2 newest kept
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
@@ -21,12 +21,8 @@ def interrupt(workdir, run_name, flags, after_update, sig=signal.SIGTERM):
     """Start a run, send `sig` once it has logged `after_update`; return (exit code, seconds to exit, output)."""
     process = subprocess.Popen(script_command(flags, run_name), cwd=workdir, env=script_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines = []
     try:
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith(f"update={after_update}/"):
-                break
+        lines = wait_for_line(process, f"update={after_update}/")
         sent = time.time()
         process.send_signal(sig)
         out, err = process.communicate(timeout=60)

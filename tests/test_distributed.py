@@ -4,7 +4,7 @@ import re
 import signal
 import time
 
-from conftest import CARTPOLE_LEARNING, read_scalars, run_script, start_processes
+from conftest import CARTPOLE_LEARNING, read_scalars, run_script, start_processes, wait_for_line
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--num-steps", "32", "--hiddens", "16", "--num-actor-threads", "1",
             "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
@@ -40,9 +40,7 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
                                     workdir, 2, run_name=f"kill{victim}")
         survivor = processes[1 - victim]
         try:
-            for line in processes[0].stdout:  # wait until both are training together
-                if line.startswith("update=3/"):
-                    break
+            wait_for_line(processes[0], "update=3/")  # both are training together
             processes[victim].kill()
             killed = time.time()
             returncode = survivor.wait(timeout=120)
@@ -70,9 +68,7 @@ def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):
     flags = [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "3840", "--checkpoint-frequency", "0"]
     processes = start_processes(flags, workdir, 2, run_name="pre")
     try:
-        for line in processes[0].stdout:
-            if line.startswith("update=4/"):
-                break
+        wait_for_line(processes[0], "update=4/")
         for process in processes:
             process.send_signal(signal.SIGTERM)
         results = finish(processes, timeout=60)
@@ -89,3 +85,55 @@ def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):
     assert digests[0] == digests[1]
     steps = [step for step, _ in read_scalars(workdir / "runs" / "pre")["charts/SPS"]]
     assert steps == [256 * i for i in range(1, 16)]
+
+
+def test_processes_in_different_folders_stop_at_once_with_one_line(tmp_path):
+    """Hosts that do not share a working directory would each write runs/RUN/checkpoints of their own and wait
+    forever for each other's part of a checkpoint: the start-up check stops both before training."""
+    folders = [tmp_path / "host0", tmp_path / "host1"]
+    for folder in folders:
+        folder.mkdir()
+    start = time.time()
+    results = finish(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"], folders, 2,
+                                     run_name="apart"), timeout=120)
+    seconds = time.time() - start
+    for rank, (returncode, out, err) in enumerate(results):
+        assert returncode == 2, (rank, out, err)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith("error: --checkpoint-dir: process(es) [1] do not see"), err
+        assert "Traceback" not in err and "update=" not in out
+    assert seconds < 60, f"took {seconds:.0f}s"
+    # the documented fix: one --checkpoint-dir that both see (here the same absolute path), and the run trains
+    shared = tmp_path / "shared_checkpoints"
+    results = finish(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280",
+                                      "--checkpoint-dir", str(shared)], folders, 2, run_name="apart"), timeout=300)
+    assert [returncode for returncode, _, _ in results] == [0, 0], results[0][2] + results[1][2]
+    assert sorted(p.name for p in shared.iterdir()) == ["5"]  # the final checkpoint, committed by both
+    assert not (folders[1] / "runs").exists()  # process 1 writes nothing of its own
+
+
+def test_sigterm_during_a_checkpoint_write_finishes_it_then_stops(workdir):
+    """SLURM signals every task while they write a checkpoint: the write completes, then both stop and resume."""
+    flags = [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "3840", "--checkpoint-frequency", "2"]
+    processes = start_processes(flags, workdir, 2, run_name="pre", fault=["slow-checkpoint", "4"])
+    try:
+        wait_for_line(processes[0], "checkpoint write started: update=2")
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        sent = time.time()
+        results = finish(processes, timeout=60)
+        seconds = time.time() - sent
+    finally:
+        for process in processes:
+            process.kill()
+    assert [returncode for returncode, _, _ in results] == [143, 143], results[0][2] + results[1][2]
+    assert seconds < 30, f"{seconds:.0f}s from SIGTERM to exit"
+    for _, out, _ in results:
+        assert "checkpoint saved: update=2 " in out  # the write in progress completed
+        assert "stopped by signal 15 after update" in out
+    stopped_at = {re.search(r"stopped by signal 15 after update (\d+)", out).group(1) for _, out, _ in results}
+    assert stopped_at == {"2"}  # both, right after the update whose checkpoint was being written
+    resumed = finish(start_processes(flags, workdir, 2, run_name="pre"))
+    assert all(returncode == 0 for returncode, _, _ in resumed), resumed[0][2] + resumed[1][2]
+    assert all("resumed from checkpoint: update=2 " in out for _, out, _ in resumed)
+    assert DIGEST.search(resumed[0][1]).group(2) == DIGEST.search(resumed[1][1]).group(2)

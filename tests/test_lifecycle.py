@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, SUBPROCESS_WARNINGS, TINY_BREAKOUT_PPO, run_script
-
-FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
+from conftest import (FAULT_INJECTION, IMPALA_SCRIPT, PPO_SCRIPT, SUBPROCESS_WARNINGS, TINY_BREAKOUT_PPO, run_script,
+                      wait_for_line)
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
 
 
@@ -48,9 +47,7 @@ def test_ctrl_c_exits_promptly(workdir):
                                cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
     try:
-        for line in process.stdout:  # wait until training is under way
-            if line.startswith("update=3/"):
-                break
+        wait_for_line(process, "update=3/")  # training is under way
         interrupted = time.time()
         process.send_signal(signal.SIGINT)
         returncode = process.wait(timeout=30)
@@ -66,3 +63,4 @@ def test_run_exits_by_itself_with_every_thread_stopped(workdir):
     run = run_script([*CARTPOLE, "--num-actor-threads", "3", "--total-timesteps", "960"], workdir, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "update=5/5" in run.stdout
+    assert "did not stop" not in run.stderr  # ActorThreads.stop() names any thread still running after its join

@@ -85,14 +85,18 @@ def test_save_model_and_track_offline(workdir):
     assert len(run.scalars()["eval/episodic_return"]) == 1
 
 
+def test_envpool_threads_default_leaves_a_core_and_shares_the_rest(monkeypatch):
+    from cleanrl_utils import devices
+
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: set(range(9)), raising=False)
+    assert devices.envpool_num_threads(0, actor_threads_per_process=4) == 2  # (9 cores - 1) // 4 actor threads
+    monkeypatch.setattr(devices.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert devices.envpool_num_threads(0, actor_threads_per_process=4) == 1  # never 0
+    assert devices.envpool_num_threads(3, actor_threads_per_process=4) == 3  # --envpool-threads
+
+
 @pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT, MUJOCO_SCRIPT], ids=["ppo", "impala", "mujoco"])
-def test_envpool_threads_default_leaves_a_core_and_shares_the_rest(script, monkeypatch):
+def test_make_env_passes_the_envpool_threads(script):
     module = load_script(script)
-    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(9)), raising=False)
-    args = module.Args(num_actor_threads=2, actor_device_ids=[0, 1])
-    assert module.envpool_num_threads(args) == 2  # (9 cores - 1) // 4 actor threads
-    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert module.envpool_num_threads(args) == 1  # never 0
-    assert module.envpool_num_threads(module.Args(envpool_threads=3)) == 3
     envs = module.make_env("Hopper-v4" if script == MUJOCO_SCRIPT else "CartPole-v1", 0, 2, num_threads=1)
     assert dict(zip(envs.spec._config_keys, envs.spec._config_values))["num_threads"] == 1

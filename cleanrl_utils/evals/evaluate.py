@@ -91,6 +91,7 @@ def load_script(path: Path):
     if spec is None or path.suffix != ".py":
         raise EvalError(f"script {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered, so that tools reading its source (tyro's help) find it
     spec.loader.exec_module(module)
     for name in ["Args", "make_env", "make_eval_policy"]:
         if not hasattr(module, name):

@@ -1,0 +1,232 @@
+"""cleanrl_utils alone: flags, queues and actor threads, checkpoints, preemption, device layout, logging."""
+
+import dataclasses
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tyro
+
+from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
+from cleanrl_utils.devices import device_layout, replicate
+from cleanrl_utils.flags import RunSetting, UsageError, check_flags, computation_flags, run_cli, settable_flags
+from cleanrl_utils.logger import RunLogger
+from cleanrl_utils.preemption import Preemption
+from cleanrl_utils.queues import ActorFailed, ActorThreads, RunStopped, queue_get
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars
+
+RUNTIME_VALUES = ["local_batch_size", "batch_size", "num_updates", "world_size", "local_rank"]
+
+
+@dataclass
+class TinyArgs:
+    """The flags the shared modules read, as a script declares them."""
+
+    seed: int = 1
+    hiddens: list[int] = field(default_factory=lambda: [8])
+    run_name: str | None = "run"
+    resume: RunSetting[bool] = False
+    checkpoint_dir: RunSetting[str | None] = None
+    checkpoint_keep: RunSetting[int] = 2
+    track: RunSetting[bool] = False
+    log_frequency: RunSetting[int] = 2
+    batch_size: int = field(init=False, default=4)
+    num_updates: int = field(init=False, default=3)
+    local_batch_size: int = field(init=False, default=4)
+
+
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT, MUJOCO_SCRIPT], ids=["ppo", "impala", "mujoco"])
+def test_runtime_values_are_not_flags(script, capsys):
+    module = load_script(script)
+    with pytest.raises(SystemExit):
+        tyro.cli(module.Args, args=["--help"])
+    help_text = capsys.readouterr().out
+    for name in RUNTIME_VALUES:
+        assert f"--{name.replace('_', '-')} " not in help_text, name
+        with pytest.raises(SystemExit):  # not settable
+            tyro.cli(module.Args, args=[f"--{name.replace('_', '-')}", "3"])
+    flags = settable_flags(module.Args())
+    assert not set(RUNTIME_VALUES) & flags.keys() and {"seed", "env_id", "learning_rate"} <= flags.keys()
+    # where and how a run runs may change on resume; what it computes may not (declared on each flag)
+    assert {"track", "learner_device_ids", "checkpoint_dir", "log_frequency"} <= flags.keys() - computation_flags(
+        module.Args()).keys()
+    assert {"seed", "env_id", "learning_rate", "total_timesteps", "gamma"} <= computation_flags(module.Args()).keys()
+
+
+def test_check_flags_names_the_flag_and_what_is_allowed():
+    @dataclass
+    class Flags:
+        n: int = 1
+        lr: float = 1.0
+        gamma: float = 0.5
+        ids: list[int] = field(default_factory=lambda: [0])
+
+    cases = [({"n": 0}, "--n must be a positive integer, got 0"), ({"lr": float("nan")}, "--lr must be positive and finite"),
+             ({"lr": float("inf")}, "--lr must be positive and finite"), ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
+             ({"ids": [1, 1]}, "--ids must be one or more distinct non-negative device ids")]
+    for values, message in cases:
+        with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            check_flags(Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"],
+                        device_id_lists=["ids"])
+    check_flags(Flags(), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"], device_id_lists=["ids"])
+
+
+def test_run_cli_turns_a_usage_error_into_one_line_and_exit_code_2(capsys):
+    def main(args):
+        raise UsageError("--hiddens must be one or more positive integers, got []")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main, TinyArgs, [])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --hiddens must be one or more positive integers, got []\n"
+    assert run_cli(lambda args: args.seed, TinyArgs, ["--seed", "5"]) == 5
+
+
+def test_queue_wait_ends_when_the_run_stops():
+    stop_event = threading.Event()
+    threading.Timer(0.2, stop_event.set).start()
+    start = time.time()
+    with pytest.raises(RunStopped):
+        queue_get(queue.Queue(), stop_event, timeout=0.05)
+    assert time.time() - start < 2
+
+
+def test_actor_failure_stops_the_run_and_is_raised_with_its_cause():
+    stop_event = threading.Event()
+    actors = ActorThreads(stop_event)
+
+    def failing(message):
+        raise ValueError(message)
+
+    def waiting(q):
+        queue_get(q, stop_event, timeout=0.05)  # ends with RunStopped once the other thread fails
+
+    actors.start(waiting, name="actor-0", q=queue.Queue())
+    actors.start(failing, name="actor-1", message="env exploded")
+    assert stop_event.wait(5)
+    with pytest.raises(ActorFailed) as error_info:
+        actors.check()
+    assert isinstance(error_info.value.__cause__, ValueError) and "env exploded" in str(error_info.value)
+    assert actors.stop() == []  # both threads ended
+
+
+def test_a_thread_that_never_stops_is_named():
+    release = threading.Event()
+    actors = ActorThreads(threading.Event(), join_timeout=0.2)
+    actors.start(release.wait, name="actor-stuck")  # ignores the stop event, like a thread stuck in C++
+    try:
+        assert actors.stop() == ["actor-stuck"]
+    finally:
+        release.set()
+
+
+def make_state(seed: int):
+    return {"params": {"w": jnp.arange(6.0).reshape(2, 3) * seed}, "key": jax.random.key(seed)}
+
+
+def test_checkpoint_round_trip_with_keys_and_digests(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    args = TinyArgs()
+    checkpoints = Checkpoints(args, world_size=1)
+    mesh = device_layout(dataclasses.replace(_layout_args(), learner_device_ids=[0])).mesh
+    state = {"params": replicate(make_state(2)["params"], mesh), "key": jax.random.key(2)}
+    checkpoints.save(3, state, args, summary=f"params sha256={tree_digest(state['params'])}")
+    assert (tmp_path / "runs/run/checkpoints/3").is_dir()
+    template = {"params": replicate(make_state(0)["params"], mesh), "key": jax.random.key(0)}
+    restored, update = Checkpoints(args, world_size=1).restore(template, args, summary=lambda s: "ok")
+    assert update == 3 and tree_digest(restored["params"]) == tree_digest(state["params"])
+    assert jax.random.key_data(restored["key"]).tolist() == jax.random.key_data(state["key"]).tolist()
+    out = capsys.readouterr().out
+    assert "checkpoint saved: update=3 global_step=12 params sha256=" in out
+    assert "resumed from checkpoint: update=3 global_step=12 ok" in out
+
+    # a computation flag that differs is refused; a RunSetting flag may change
+    with pytest.raises(CheckpointError, match=r"was made with --hiddens \[8\], this run has \[16\]"):
+        Checkpoints(args, 1).restore(template, dataclasses.replace(args, hiddens=[16]), summary=str)
+    Checkpoints(args, 1).restore(template, dataclasses.replace(args, track=True, log_frequency=7), summary=str)
+    other_batch = dataclasses.replace(args)
+    other_batch.batch_size = 8
+    with pytest.raises(CheckpointError, match="was made with 4 steps per update, this run has 8"):
+        Checkpoints(args, 1).restore(template, other_batch, summary=str)
+
+
+def test_resume_without_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state, update = Checkpoints(TinyArgs(), 1).restore({"x": np.zeros(2)}, TinyArgs(), summary=str)
+    assert update == 0 and state["x"].tolist() == [0, 0]
+    with pytest.raises(UsageError, match="^--resume: runs/run/checkpoints has no complete checkpoint$"):
+        Checkpoints(TinyArgs(), 1).restore({"x": np.zeros(2)}, dataclasses.replace(TinyArgs(), resume=True), summary=str)
+
+
+def test_a_flag_added_later_keeps_old_checkpoints_usable(tmp_path, monkeypatch):
+    """Flags are declared once: a new RunSetting flag does not make older checkpoints refuse to resume."""
+    monkeypatch.chdir(tmp_path)
+    checkpoints = Checkpoints(TinyArgs(), 1)
+    checkpoints.save(1, {"x": np.ones(2)}, TinyArgs(), summary="")
+
+    @dataclass
+    class NewerArgs(TinyArgs):
+        new_logging_option: RunSetting[int] = 5
+
+    state, update = Checkpoints(NewerArgs(), 1).restore({"x": np.zeros(2)}, NewerArgs(), summary=str)
+    assert update == 1 and state["x"].tolist() == [1, 1]
+
+
+def test_preemption_alone_stops_now_and_exits_with_the_shells_code():
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop_event = threading.Event()
+        preemption = Preemption(1, stop_event)
+        assert not preemption.requested() and preemption.exit_code == 0 and preemption.stop_signal is None
+        signal.raise_signal(signal.SIGTERM)
+        assert stop_event.is_set() and preemption.requested()
+        assert preemption.stop_signal == signal.SIGTERM and preemption.exit_code == 143
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second signal ends the process at once
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _layout_args():
+    @dataclass
+    class LayoutArgs:
+        actor_device_ids: list[int] = field(default_factory=lambda: [0])
+        learner_device_ids: list[int] = field(default_factory=lambda: [1, 2])
+        distributed: bool = False
+
+    return LayoutArgs()
+
+
+def test_device_layout_and_out_of_range_ids():
+    layout = device_layout(_layout_args())  # conftest arranges 4 host devices
+    assert layout.world_size == 1 and layout.is_main_process
+    assert [d.id for d in layout.learner_devices] == [1, 2] == [d.id for d in layout.global_learner_devices]
+    assert layout.mesh.shape == {"batch": 2}
+    with pytest.raises(UsageError, match=r"--learner-device-ids \[0, 7\] out of range: this process has 4 cpu device"):
+        device_layout(dataclasses.replace(_layout_args(), learner_device_ids=[0, 7]))
+
+
+def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    logger = RunLogger(TinyArgs(), is_main_process=True, world_size=1, start_update=0)
+    stats = {"returned_episode_returns": np.array([1.0, np.nan]), "returned_episode_lengths": np.array([3.0, np.nan]),
+             **{name: 0.25 for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time",
+                                        "storage_time", "rollout_queue_put_time"]}}
+    for update in [1, 2, 3]:
+        logger.log_update(update, {"losses/loss": float(update), "stats/actor_policy_version": update - 1,
+                                   "stats/learner_policy_version": update - 1}, [stats])
+    logger.flush()  # on disk before a checkpoint would count
+    scalars = read_scalars(tmp_path / "runs" / "run")
+    assert [step for step, _ in scalars["losses/loss"]] == [4, 8, 12]  # global steps of updates 1..3
+    assert [v for _, v in scalars["charts/avg_episodic_return"]] == [1.0] * 3
+    assert scalars["stats/rollout_time"][0][1] == 0.25 and scalars["stats/peak_rss_mib"][0][1] > 0
+    logger.finish()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["update=2/3", "update=3/3"]  # every 2nd update and the last
+    assert "avg_episodic_return=1.00 actor_policy_version=1 learner_policy_version=1" in lines[0]
