@@ -62,9 +62,9 @@ def check_shared_folder(path: str):
         os.remove(probe)
     if not sees.all():
         blind = [int(i) for i in np.flatnonzero(sees == 0)]
-        raise UsageError(f"--checkpoint-dir: process(es) {blind} do not see the folder {path} that process 0 writes "
-                         "checkpoints to; all processes of a run need one shared folder: start them in the same "
-                         "(shared) working directory or give --checkpoint-dir a path on a shared file system")
+        raise UsageError(f"--checkpoint-dir: process(es) {blind} do not see the checkpoint folder of process 0 (here: "
+                         f"{path}); all processes of a run need one shared folder: start them in the same (shared) "
+                         "working directory or give --checkpoint-dir a path on a shared file system")
 
 
 class Checkpoints:
