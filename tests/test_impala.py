@@ -1,5 +1,7 @@
-"""The IMPALA script: its V-trace loss against a NumPy re-implementation, learning, reproducibility, bad input."""
+"""The IMPALA script: its V-trace loss against a NumPy re-implementation, its data-parallel learner, learning,
+reproducibility, bad input."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,13 +55,60 @@ def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
     truncations = ((rng.random((T, N)) < 0.15) & (terminations == 0)).astype(np.float32)
     valid = np.ones((T, N), bool)
     valid[1:] = (terminations[:-1] == 0) & (truncations[:-1] == 0)  # envpool's reset steps
-    ours = impala.vtrace_loss_terms(jnp.asarray(logits), jnp.asarray(values), jnp.asarray(bootstrap_value),
-                                    jnp.asarray(actions), jnp.asarray(behaviour_logprobs), jnp.asarray(rewards),
-                                    jnp.asarray(terminations), jnp.asarray(truncations), jnp.asarray(valid),
-                                    jnp.float32(valid.sum()), 0.99, 1.0, c_bar)
+    ours = impala.vtrace_loss_terms(
+        logits=jnp.asarray(logits), values=jnp.asarray(values), bootstrap_value=jnp.asarray(bootstrap_value),
+        actions=jnp.asarray(actions), behaviour_logprobs=jnp.asarray(behaviour_logprobs), rewards=jnp.asarray(rewards),
+        terminations=jnp.asarray(terminations), truncations=jnp.asarray(truncations), valid=jnp.asarray(valid),
+        normalizer=jnp.float32(valid.sum()), gamma=0.99, rho_bar=1.0, c_bar=c_bar)
     expected = vtrace_losses_numpy(logits.astype(np.float64), values, bootstrap_value, actions, behaviour_logprobs,
                                    rewards, terminations, truncations, valid, 0.99, 1.0, c_bar)
     np.testing.assert_allclose([float(x) for x in ours], expected, rtol=2e-4, atol=1e-5)
+
+
+def test_learner_update_is_the_same_on_one_and_on_two_devices():
+    """Data parallelism must not change the math: the same global rollout, one minibatch, gives the same params.
+    IMPALA's learner turns shard_map's checks off (check_vma=False), so nothing but this test checks that each
+    device's gradient is summed over the devices exactly once."""
+    from flax.training.train_state import TrainState
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    import optax
+
+    assert len(jax.devices()) >= 2, "conftest arranges 4 host devices"
+    T, N, obs_dim = 8, 4, 3
+    rng = np.random.default_rng(0)
+    terminations = (rng.random((T, N)) < 0.2).astype(np.float32)
+    storage = impala.Rollout(
+        obs=rng.normal(size=(T, N, obs_dim)).astype(np.float32),
+        actions=rng.integers(0, 2, size=(T, N)).astype(np.int32),
+        logprobs=np.log(rng.uniform(0.2, 0.8, size=(T, N))).astype(np.float32),  # importance weights above and below 1
+        rewards=rng.normal(size=(T, N)).astype(np.float32),
+        terminations=terminations,
+        truncations=((rng.random((T, N)) < 0.1) & (terminations == 0)).astype(np.float32),
+        valid=rng.random((T, N)) < 0.9,
+        bootstrap_obs=rng.normal(size=(1, N, obs_dim)).astype(np.float32),
+    )
+    agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
+    params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
+    results = []
+    for num_devices in [1, 2]:
+        args = impala.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
+                           learner_device_ids=list(range(num_devices)), num_minibatches=1, vtrace_c_bar=0.9)
+        mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+        state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+        state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
+        global_storage = impala.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
+        update = impala.make_learner_fns(args, agent, mesh)
+        state, metrics, _ = update(state, global_storage, jax.random.key(1))
+        results.append((jax.device_get(state.params), jax.device_get(metrics)))
+    (params_one, metrics_one), (params_two, metrics_two) = results
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_one, params_two)
+    assert metrics_one.keys() == metrics_two.keys() == {"losses/loss", "losses/policy_loss", "losses/value_loss",
+                                                        "losses/entropy", "losses/approx_kl"}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), metrics_one, metrics_two)
+    # it did update, by far more than the tolerance: a gradient summed twice, or not summed, would show
+    change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(params_one), jax.tree.leaves(params)))
+    assert change > 1e-3, change
 
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "20", "--num-minibatches", "1",
