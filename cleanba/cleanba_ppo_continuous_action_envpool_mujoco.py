@@ -1,7 +1,9 @@
 """Sebulba PPO (Hessel et al. 2021, "Podracer architectures") with a Gaussian policy for envpool MuJoCo.
 
-One file, read top to bottom: imports, `Args`, env factory, networks, pure functions (running
-statistics, advantage estimation, losses), the actor thread, the learner update, `main`.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation,
+losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
+every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
+cleanrl_utils/, one small module each.
 
 System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
 own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
@@ -18,77 +20,76 @@ observation and reward normalization with running statistics that belong to the 
 with the params to the actors, the learner updates them from every rollout (merged over all learner devices).
 """
 
-import hashlib
-import json
 import os
 import queue
 import random
-import re
-import resource
-import signal
 import sys
 import threading
 import time
-import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import envpool
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
-import tyro
+from flax.serialization import to_state_dict
 from flax.training.train_state import TrainState
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from cleanrl_utils.evals.evaluate import check_save_model_flags, evaluate_and_upload
-from cleanrl_utils.summary_writer import SummaryWriter
+from cleanrl_utils.checkpoints import Checkpoints, tree_digest
+from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
+from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
+from cleanrl_utils.logger import RunLogger
+from cleanrl_utils.preemption import Preemption
+from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
 
 
 @dataclass
 class Args:
+    # RunSetting[...]: where and how the run runs, not what it computes; a resumed run may change these flags
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
     """seed of the experiment"""
     run_name: str | None = None
     """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
-    track: bool = False
+    track: RunSetting[bool] = False
     """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: str = "cleanba"
+    wandb_project_name: RunSetting[str] = "cleanba"
     """the wandb's project name"""
-    wandb_entity: str | None = None
+    wandb_entity: RunSetting[str | None] = None
     """the entity (team) of wandb's project"""
-    save_model: bool = False
+    save_model: RunSetting[bool] = False
     """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
-    eval_episodes: int = 10
+    eval_episodes: RunSetting[int] = 10
     """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return)"""
-    eval_greedy: bool = False
+    eval_greedy: RunSetting[bool] = False
     """with --save-model: evaluate with the most likely action instead of sampling it"""
-    capture_video: bool = False
+    capture_video: RunSetting[bool] = False
     """with --save-model: record the evaluation episodes of env 0 as MP4 files into videos/{run_name}/"""
-    upload_model: bool = False
+    upload_model: RunSetting[bool] = False
     """with --save-model: upload the model, its card, this script and a video to the Hugging Face Hub"""
-    hf_entity: str | None = None
+    hf_entity: RunSetting[str | None] = None
     """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's user)"""
-    log_frequency: int = 10
+    log_frequency: RunSetting[int] = 10
     """print a console line every this many updates (TensorBoard gets every update)"""
-    checkpoint_frequency: int = 100
-    """save the training state every this many updates into runs/{run_name}/checkpoints/ (0: only at the
-    end and on SIGTERM/SIGINT)"""
-    checkpoint_keep: int = 3
+    checkpoint_frequency: RunSetting[int] = 100
+    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT)"""
+    checkpoint_keep: RunSetting[int] = 3
     """how many of the newest checkpoints to keep"""
-    resume: bool = False
+    checkpoint_dir: RunSetting[str | None] = None
+    """the checkpoints' folder (default: runs/{run_name}/checkpoints); with --distributed, one folder that every
+    process sees (a shared file system): checked at start"""
+    resume: RunSetting[bool] = False
     """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
 
     # Algorithm specific arguments
@@ -102,7 +103,7 @@ class Args:
     """the number of parallel game environments of each actor thread"""
     num_actor_threads: int = 2
     """the number of actor threads on each actor device"""
-    envpool_threads: int = 0
+    envpool_threads: RunSetting[int] = 0
     """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads)"""
     num_steps: int = 256
     """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)"""
@@ -132,98 +133,62 @@ class Args:
     """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64)"""
 
     # Sebulba: devices, threads, processes
-    actor_device_ids: list[int] = field(default_factory=lambda: [0])
+    actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
     """the local device ids that actor threads run inference on"""
-    learner_device_ids: list[int] = field(default_factory=lambda: [0])
+    learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
     """the local device ids the data-parallel learner runs on (in every process)"""
     concurrency: bool = True
     """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
-    distributed: bool = False
+    distributed: RunSetting[bool] = False
     """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
-    coordinator_address: str | None = None
+    coordinator_address: RunSetting[str | None] = None
     """with --distributed outside SLURM: host:port of process 0"""
-    num_processes: int | None = None
+    num_processes: RunSetting[int | None] = None
     """with --distributed outside SLURM: the number of processes"""
-    process_id: int | None = None
+    process_id: RunSetting[int | None] = None
     """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
-    heartbeat_timeout: int = 30
+    heartbeat_timeout: RunSetting[int] = 30
     """with --distributed: seconds without a heartbeat after which a process counts as dead"""
-    queue_timeout: float = 1.0
+    queue_timeout: RunSetting[float] = 1.0
     """seconds between checks for a stopped run while waiting on a queue"""
 
-    # to be filled in runtime
-    local_batch_size: int = 0
+    # derived by main (set_runtime_values), not flags
+    local_batch_size: int = field(init=False, default=0)
     """steps per update collected by this process"""
-    batch_size: int = 0
+    batch_size: int = field(init=False, default=0)
     """steps per update over all processes"""
-    num_updates: int = 0
+    num_updates: int = field(init=False, default=0)
     """the number of learner updates"""
-    world_size: int = 0
+    world_size: int = field(init=False, default=1)
     """the number of processes"""
-    local_rank: int = 0
+    local_rank: int = field(init=False, default=0)
     """this process's index"""
-    global_learner_device_ids: list[int] = field(default_factory=list)
-    """ids (jax.devices()) of the learner devices of all processes"""
-
-
-def fail(message: str):
-    """Bad input: one line naming the flag and what is allowed, exit code 2 (like argparse)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def validate_args(args: Args):
-    """Checks that need no device: run before JAX starts any backend."""
-    for name in ["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches", "update_epochs",
-                 "total_timesteps", "log_frequency", "checkpoint_keep", "eval_episodes"]:
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for name in ["learning_rate", "queue_timeout", "heartbeat_timeout"]:
-        if not getattr(args, name) > 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    for name in ["gamma", "gae_lambda"]:
-        if not 0 <= getattr(args, name) <= 1:
-            fail(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
-    if not args.hiddens or min(args.hiddens) <= 0:
-        fail(f"--hiddens must be one or more positive integers, got {args.hiddens}")
-    for name in ["actor_device_ids", "learner_device_ids"]:
-        ids = getattr(args, name)
-        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-            fail(f"--{name.replace('_', '-')} must be one or more distinct non-negative device ids, got {ids}")
+    """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
+    check_run_flags(args)
+    check_flags(args, positive_ints=["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches",
+                                     "update_epochs", "total_timesteps"],
+                positive=["learning_rate", "clip_coef", "max_grad_norm"], non_negative=["ent_coef", "vf_coef"],
+                unit_interval=["gamma", "gae_lambda"],
+                positive_int_lists=["hiddens"])
     env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
     if env_family != "envpool.mujoco.gym" or hasattr(envpool.make_spec(args.env_id).action_space, "n"):
-        fail(f"--env-id {args.env_id!r} is not supported: use an envpool MuJoCo id with continuous actions "
-             "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
+        raise UsageError(f"--env-id {args.env_id!r} is not supported: use an envpool MuJoCo id with continuous actions "
+                         "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
     if args.local_num_envs % len(args.learner_device_ids) != 0:
-        fail(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
-             f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
+        raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+                         f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
     envs_per_learner_device = (len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs
                                // len(args.learner_device_ids))
     if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
-        fail(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
-             f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
-    for name in ["checkpoint_frequency", "envpool_threads"]:
-        if getattr(args, name) < 0:
-            fail(f"--{name.replace('_', '-')} must be 0 (off / automatic) or a positive integer, got {getattr(args, name)}")
-    if args.resume and args.run_name is None:
-        fail("--resume needs --run-name: the name of the run to continue")
-    if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
-        fail("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
-    if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
-        fail(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+        raise UsageError(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+                         f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
     check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
 
 
-def ensure_host_devices(args: Args):
-    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
-
-    The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
-    already set in XLA_FLAGS wins (appending never overwrites it); too few then fails validation.
-    """
-    needed = max(args.actor_device_ids + args.learner_device_ids) + 1
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
-        os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+# ---------------------------------------------------------------- environments
 
 
 def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
@@ -232,13 +197,7 @@ def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = No
                         num_threads=num_threads)
 
 
-def envpool_num_threads(args: Args) -> int:
-    """--envpool-threads, or this process's cores but one (left to the learner and inference) shared by its actor
-    threads: on 2 cores, 1 thread instead of envpool's default (all cores) ran CartPole PPO 22% faster."""
-    if args.envpool_threads:
-        return args.envpool_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores - 1) // (args.num_actor_threads * len(args.actor_device_ids)))
+# ---------------------------------------------------------------- networks
 
 
 class MLP(nn.Module):
@@ -270,6 +229,34 @@ class Agent(nn.Module):
         return action_mean, action_logstd, value.squeeze(-1)
 
 
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
+    """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
+    env_spec = envpool.make_spec(args.env_id)
+    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, AgentState.create(
+        apply_fn=None,
+        params=agent.init(key, np.zeros((1, *obs_space.shape), np.float32)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+        ),
+        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
+        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+    )
+
+
+# ---------------------------------------------------------------- math
+
+
 class Rollout(NamedTuple):
     """One actor thread's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1.
     `obs` are the network's inputs, normalized with the statistics of the params version that acted (so the
@@ -286,6 +273,18 @@ class Rollout(NamedTuple):
     truncations: np.ndarray
     valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
     bootstrap_value: np.ndarray  # (1, envs): V(obs after the last step)
+
+
+class Batch(NamedTuple):
+    """The learner's samples: a rollout with advantages and returns, flattened over (time, envs)."""
+
+    obs: jax.Array  # normalized, as the actor's network saw them
+    actions: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    valid: jax.Array
 
 
 class RunningMeanStd(NamedTuple):
@@ -334,7 +333,7 @@ class AgentState(TrainState):
     return_rms: RunningMeanStd
 
 
-def compute_gae(rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
     """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
 
     envpool returns the true last observation of an episode together with its end flag and resets
@@ -356,7 +355,7 @@ def compute_gae(rewards, values, bootstrap_value, terminations, truncations, gam
     return advantages, advantages + values
 
 
-def ppo_loss_terms(new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
+def ppo_loss_terms(*, new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
                    normalizer, clip_coef, clip_vloss):
     """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
 
@@ -385,114 +384,19 @@ def gaussian_logprob_entropy(action_mean, action_logstd, actions):
     return logprob.sum(-1), entropy.sum(-1)
 
 
-def make_eval_policy(args: Args, model: dict, greedy: bool):
-    """The agent at test time: frozen observation statistics of the model, Gaussian mean (greedy) or sample, clipped."""
-    action_space = envpool.make_spec(args.env_id).action_space
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
-    obs_rms = RunningMeanStd(*(np.asarray(model["obs_rms"][name], np.float32) for name in RunningMeanStd._fields))
+# ---------------------------------------------------------------- actor
 
+
+class ActorFns(NamedTuple):
+    """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
+
+    act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
+    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+
+
+def make_actor_fns(agent: Agent) -> ActorFns:
     @jax.jit
-    def act(obs, key):
-        action_mean, action_logstd, _ = agent.apply(model["params"], normalize_obs(obs_rms, obs))
-        key, subkey = jax.random.split(key)
-        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
-        return jnp.clip(action_mean + noise, action_space.low, action_space.high), key
-
-    def policy(obs: np.ndarray, key: jax.Array):
-        action, key = act(np.asarray(obs, np.float32), key)
-        return np.asarray(action), key
-
-    return policy
-
-
-# flags that may differ when a run is resumed: where and how it runs, not what it computes
-RESUME_MAY_CHANGE = {"track", "wandb_project_name", "wandb_entity", "save_model", "eval_episodes", "eval_greedy",
-                     "capture_video", "upload_model", "hf_entity", "log_frequency", "checkpoint_frequency",
-                     "checkpoint_keep", "resume", "queue_timeout", "heartbeat_timeout", "distributed",
-                     "coordinator_address", "num_processes", "process_id", "actor_device_ids", "learner_device_ids",
-                     "local_rank", "world_size", "local_batch_size", "global_learner_device_ids"}
-
-
-def params_digest(params) -> str:
-    leaves = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params))
-    return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
-
-
-def save_checkpoint(manager: ocp.CheckpointManager, update: int, agent_state: AgentState, learner_key, args: Args):
-    """The learner's whole state at an update boundary; orbax writes to a temporary folder and renames
-    it when complete, so a crash mid-write leaves no checkpoint that looks valid."""
-    start = time.time()
-    # the learner key is the same host value in every process: saved as numpy, not as a device array
-    state = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
-    meta = {"args": asdict(args), "update": update, "global_step": update * args.batch_size}
-    manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    manager.wait_until_finished()
-    print(f"checkpoint saved: update={update} global_step={update * args.batch_size} "
-          f"params sha256={params_digest(agent_state.params)} "
-          f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))} in {time.time() - start:.2f}s",
-          flush=True)
-
-
-def restore_checkpoint(manager: ocp.CheckpointManager, agent_state: AgentState, learner_key, args: Args):
-    """The newest complete checkpoint, checked against this run's flags: (agent_state, learner_key, update)."""
-    update = manager.latest_step()
-    path = os.path.join(manager.directory, str(update))
-    try:
-        meta = manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved_args = meta["args"]
-        for name, value in asdict(args).items():
-            if name not in RESUME_MAY_CHANGE and saved_args.get(name) != value:
-                fail(f"--resume: checkpoint {path} was made with --{name.replace('_', '-')} {saved_args.get(name)}, "
-                     f"this run has {value}; use the checkpoint's value or another --run-name")
-        template = {"agent_state": agent_state, "learner_key": np.asarray(jax.random.key_data(learner_key))}
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        state = manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-        fail(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]}); "
-             "delete it to resume from an older one")
-    return state["agent_state"], jax.random.wrap_key_data(state["learner_key"]), update
-
-
-class RunStopped(Exception):
-    """Raised inside a thread waiting on a queue when another thread has stopped the run."""
-
-
-def queue_get(q: queue.Queue, stop_event: threading.Event, timeout: float):
-    while True:
-        try:
-            return q.get(timeout=timeout)
-        except queue.Empty:
-            if stop_event.is_set():
-                raise RunStopped
-
-
-def queue_put(q: queue.Queue, item, stop_event: threading.Event, timeout: float):
-    while True:
-        try:
-            return q.put(item, timeout=timeout)
-        except queue.Full:
-            if stop_event.is_set():
-                raise RunStopped
-
-
-def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
-    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
-    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
-    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
-    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
-    return base + global_thread_index * local_num_envs
-
-
-def actor_params(agent_state: AgentState):
-    """What the actors act with: the params and the observation statistics of the same version."""
-    return agent_state.params, agent_state.obs_rms
-
-
-def make_actor_fns(agent: Agent):
-    """The actor's jitted inference, run on the device its inputs live on."""
-
-    @jax.jit
-    def get_action_and_value(params, obs, key):
+    def act(params, obs, key):
         agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
         obs = normalize_obs(obs_rms, obs)
         action_mean, action_logstd, value = agent.apply(agent_params, obs)
@@ -503,27 +407,29 @@ def make_actor_fns(agent: Agent):
         return jnp.concatenate([action, logprob[:, None], value[:, None], obs], axis=1), key
 
     @jax.jit
-    def get_value(params, obs):
+    def value(params, obs):
         agent_params, obs_rms = params
         return agent.apply(agent_params, normalize_obs(obs_rms, obs))[2]
 
-    return get_action_and_value, get_value
+    return ActorFns(act, value)
 
 
-def rollout(
-    args: Args,
-    thread_index: int,
-    start_update: int,
-    key: jax.Array,
-    make_envs,
-    actor_device: jax.Device,
-    learner_devices: list[jax.Device],
-    params_queue: queue.Queue,
-    rollout_queue: queue.Queue,
-    stop_event: threading.Event,
-    get_action_and_value,
-    get_value,
-):
+def actor_params(agent_state: AgentState):
+    """What the actors act with: the params and the observation statistics of the same version."""
+    return agent_state.params, agent_state.obs_rms
+
+
+def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
+    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
+    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
+    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
+    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
+    return base + global_thread_index * local_num_envs
+
+
+def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array, make_envs: Callable,
+            actor_device: jax.Device, learner_devices: list, params_queue: queue.Queue, rollout_queue: queue.Queue,
+            stop_event: threading.Event, actor_fns: ActorFns):
     """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
     global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
     envs = make_envs(actor_env_seed(args.seed, start_update, global_thread_index, args.local_num_envs))
@@ -565,7 +471,7 @@ def rollout(
             if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
                 raise RunStopped
             inference_start = time.time()
-            step_outputs, key = get_action_and_value(params, next_obs, key)
+            step_outputs, key = actor_fns.act(params, next_obs, key)
             action, logprob, value, normalized_obs = np.split(np.asarray(step_outputs), [action_dim, action_dim + 1,
                                                                                          action_dim + 2], axis=1)
             logprob, value = logprob[:, 0], value[:, 0]
@@ -575,29 +481,30 @@ def rollout(
             step_obs, reward, terminated, truncated, _ = envs.step(np.clip(action, action_space.low, action_space.high))
             storage_start = time.time()
             env_step_time += storage_start - env_step_start
-            obs[step], raw_obs[step], actions[step] = normalized_obs, next_obs, action
-            logprobs[step], values[step], rewards[step] = logprob, value, reward
-            terminations[step], truncations[step] = terminated, truncated
+            obs[step], actions[step], logprobs[step], values[step] = normalized_obs, action, logprob, value
+            rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+            raw_obs[step] = next_obs
             valid[step] = ~previous_episode_end
-            episode_end = np.logical_or(terminated, truncated)
-            discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
-            discounted_return *= ~episode_end
             episode_returns += reward
             episode_lengths += valid[step]  # envpool's reset step is not a step of the game
-            returned_episode_returns = np.where(episode_end, episode_returns, returned_episode_returns)
-            returned_episode_lengths = np.where(episode_end, episode_lengths, returned_episode_lengths)
-            episode_returns *= ~episode_end
-            episode_lengths *= ~episode_end
-            previous_episode_end = episode_end
+            game_over = np.logical_or(terminated, truncated)
+            returned_episode_returns = np.where(game_over, episode_returns, returned_episode_returns)
+            returned_episode_lengths = np.where(game_over, episode_lengths, returned_episode_lengths)
+            episode_returns *= ~game_over
+            episode_lengths *= ~game_over
+            discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
+            discounted_return *= ~game_over
+            previous_episode_end = np.logical_or(terminated, truncated)
             next_obs = step_obs.astype(np.float32)
             storage_time += time.time() - storage_start
         inference_start = time.time()
-        bootstrap_value = np.asarray(get_value(params, next_obs))[None]
+        bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
         inference_time += time.time() - inference_start
         rollout_time = time.time() - rollout_start
 
-        storage = Rollout(obs, raw_obs, actions, logprobs, values, rewards, discounted_returns, terminations, truncations,
-                          valid, bootstrap_value)
+        storage = Rollout(obs=obs, raw_obs=raw_obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards,
+                          discounted_returns=discounted_returns, terminations=terminations, truncations=truncations,
+                          valid=valid, bootstrap_value=bootstrap_value)
         # one host-to-device transfer per rollout: each learner device gets its slice of the envs
         sharded_storage = [
             jax.device_put(jax.tree.map(lambda x: x[:, i * envs_per_learner_device : (i + 1) * envs_per_learner_device],
@@ -619,40 +526,30 @@ def rollout(
         rollout_queue_put_time = time.time() - rollout_queue_put_start
 
 
-def actor_thread_main(target, errors: list, stop_event: threading.Event, *target_args):
-    """Run an actor; any failure is recorded and stops the whole run."""
-    try:
-        target(*target_args)
-    except RunStopped:
-        pass
-    except BaseException as error:  # noqa: BLE001 - reported by the main thread with its traceback
-        errors.append(error)
-        stop_event.set()
-
-
-def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
-    """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
+    statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
+    action_space = envpool.make_spec(args.env_id).action_space
     agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
+    params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
 
-    def linear_schedule(count):
-        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
-        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
-        return args.learning_rate * frac
+    @jax.jit
+    def act(params, obs, key):
+        agent_params, obs_rms = params
+        action_mean, action_logstd, _ = agent.apply(agent_params, normalize_obs(obs_rms, obs))
+        key, subkey = jax.random.split(key)
+        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        return jnp.clip(action_mean + noise, action_space.low, action_space.high), key
 
-    return agent, AgentState.create(
-        apply_fn=None,
-        params=agent.init(key, np.zeros((1, *obs_space.shape), np.float32)),
-        tx=optax.chain(
-            optax.clip_by_global_norm(args.max_grad_norm),
-            optax.inject_hyperparams(optax.adam)(
-                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
-        ),
-        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
-        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
-        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
-    )
+    def policy(obs: np.ndarray, key: jax.Array):
+        actions, key = act(params, np.asarray(obs, np.float32), key)
+        return np.asarray(actions), key
+
+    return policy
+
+
+# ---------------------------------------------------------------- learner
 
 
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
@@ -665,9 +562,11 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
 
+    batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
+
     @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs), out_specs=(replicated, (sharded_steps,) * 7))
-    def prepare_batch(agent_state: AgentState, storage: Rollout):
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs))
+    def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
         """Per device: the running statistics updated with the rollout of all devices (the same on every device),
         rewards scaled with them (as gym's NormalizeReward), advantages and returns, then flatten (T, envs)."""
         flat = lambda x: x.reshape((-1, *x.shape[2:]))
@@ -676,15 +575,17 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         # envpool's reset steps are not steps of an episode: their (zero) returns do not count
         return_rms = merge_running_stats(agent_state.return_rms, batch_running_stats(
             flat(storage.discounted_returns), flat(storage.valid), "batch"))
-        rewards = scale_rewards(return_rms, storage.rewards)
-        advantages, returns = compute_gae(rewards, storage.values, storage.bootstrap_value[0],
-                                          storage.terminations, storage.truncations, args.gamma, args.gae_lambda)
-        return agent_state.replace(obs_rms=obs_rms, return_rms=return_rms), tuple(map(flat, (
-            storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid)))
+        agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
+        advantages, returns = compute_gae(rewards=scale_rewards(return_rms, storage.rewards), values=storage.values,
+                                          bootstrap_value=storage.bootstrap_value[0], terminations=storage.terminations,
+                                          truncations=storage.truncations, gamma=args.gamma, gae_lambda=args.gae_lambda)
+        return agent_state, Batch(*map(flat, (storage.obs, storage.actions, storage.logprobs, storage.values,
+                                              advantages, returns, storage.valid)))
 
-    def loss_fn(params, obs, actions, old_logprobs, old_values, advantages, returns, valid):
-        action_mean, action_logstd, new_values = agent.apply(params, obs)
-        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, actions)
+    def loss_fn(params, minibatch: Batch):
+        action_mean, action_logstd, new_values = agent.apply(params, minibatch.obs)
+        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
+        advantages, valid = minibatch.advantages, minibatch.valid
         if args.norm_adv:
             count = jnp.maximum(valid.sum(), 1)
             mean = jnp.where(valid, advantages, 0).sum() / count
@@ -693,8 +594,9 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
         normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
         pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
-            new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
-            normalizer, args.clip_coef, args.clip_vloss)
+            new_logprobs=new_logprobs, entropy=entropy, new_values=new_values, old_logprobs=minibatch.logprobs,
+            old_values=minibatch.values, advantages=advantages, returns=minibatch.returns, valid=valid,
+            normalizer=normalizer, clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)
         loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
         return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
 
@@ -702,15 +604,15 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
 
     @partial(jax.jit, donate_argnums=(0,))
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, (sharded_steps,) * 7, sharded_steps, replicated),
+    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, batch_specs, sharded_steps, replicated),
              out_specs=(replicated, replicated))
-    def minibatch_update(agent_state: AgentState, batch, permutation, minibatch_index):
+    def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
-        minibatch = [jnp.take(x, indices, axis=0) for x in batch]
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
         # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
         # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
         local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, *minibatch)
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, minibatch)
         grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
         agent_state = agent_state.apply_gradients(grads=grads)
         return agent_state, (loss, *metrics)
@@ -733,7 +635,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
                                                                   jnp.int32(minibatch_index))
                 metrics.append(minibatch_metrics)
         metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
-        return agent_state, metrics, key
+        names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+        return agent_state, dict(zip(names, metrics)), key
 
     return update
 
@@ -753,256 +656,117 @@ def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: 
     return jax.tree.map(to_global, *per_device)
 
 
-def main(args: Args):
-    validate_args(args)
-    ensure_host_devices(args)
-    if args.distributed:
-        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
-    args.world_size, args.local_rank = jax.process_count(), jax.process_index()
-    local_devices = jax.local_devices()
-    for name in ["actor_device_ids", "learner_device_ids"]:
-        if max(getattr(args, name)) >= len(local_devices):
-            fail(f"--{name.replace('_', '-')} {getattr(args, name)} out of range: this process has "
-                 f"{len(local_devices)} {local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
-    args.local_batch_size = (args.local_num_envs * args.num_steps * args.num_actor_threads
-                             * len(args.actor_device_ids))
+# ---------------------------------------------------------------- main: the Sebulba protocol
+
+
+def set_runtime_values(args: Args, layout: DeviceLayout):
+    """What main derives from the flags and the device layout (not flags: `--help` does not offer them)."""
+    args.world_size, args.local_rank = layout.world_size, layout.local_rank
+    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * len(layout.actor_devices)
     args.batch_size = args.local_batch_size * args.world_size
     args.num_updates = args.total_timesteps // args.batch_size
     if args.num_updates < 1:
-        fail(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
-             "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
-    actor_devices = [local_devices[i] for i in args.actor_device_ids]
-    learner_devices = [local_devices[i] for i in args.learner_device_ids]
-    global_learner_devices = [
-        device for process in range(args.world_size) for i, device in enumerate(
-            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
-        if i in args.learner_device_ids
-    ]
-    args.global_learner_device_ids = [device.id for device in global_learner_devices]
-    mesh = Mesh(np.array(global_learner_devices), ("batch",))
+        raise UsageError(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
+                         "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
 
+
+def state_summary(agent_state: AgentState) -> str:
+    """Digests of the learner's state for the console: equal digests, bitwise equal states."""
+    return (f"params sha256={tree_digest(agent_state.params)} "
+            f"stats sha256={tree_digest((agent_state.obs_rms, agent_state.return_rms))}")
+
+
+def main(args: Args) -> int:
+    validate_args(args)  # bad flags stop here, before JAX starts a backend
+    layout = device_layout(args)  # jax.distributed, host devices, the learner mesh over every process
+    set_runtime_values(args, layout)
     if args.run_name is None:
         args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    is_main_process = args.local_rank == 0
-
-    # seeding: the agent and learner keys are the same in all processes; each actor thread folds its
-    # global index into actor_key, so no two threads (or processes) sample with the same key
+    # the agent and learner keys are the same in every process; each actor thread folds its global index into
+    # actor_key, so no two threads (or processes) sample with the same key
     random.seed(args.seed)
     np.random.seed(args.seed)
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
-
-    make_envs = lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=envpool_num_threads(args))
     agent, agent_state = make_agent(args, agent_key)
-    # from host values, identical in every process, to one replicated global array per leaf
-    agent_state = jax.device_put(jax.device_get(agent_state), NamedSharding(mesh, P()))
-    update = make_learner_fns(args, agent, mesh)
+    update = make_learner_fns(args, agent, layout.mesh)
+    checkpoints = Checkpoints(args, layout.world_size)  # one folder for every process: checked now
+    (agent_state, learner_key), start_update = checkpoints.restore(
+        (replicate(agent_state, layout.mesh), learner_key), args, summary=lambda state: state_summary(state[0]))
+    logger = RunLogger(args, is_main_process=layout.is_main_process, world_size=layout.world_size,
+                       start_update=start_update)
 
-    checkpoint_manager = ocp.CheckpointManager(
-        os.path.abspath(f"runs/{args.run_name}/checkpoints"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=args.checkpoint_keep, enable_async_checkpointing=False))
-    start_update = 0
-    if checkpoint_manager.latest_step() is not None:
-        agent_state, learner_key, start_update = restore_checkpoint(checkpoint_manager, agent_state, learner_key, args)
-        print(f"resumed from checkpoint: update={start_update} global_step={start_update * args.batch_size} "
-              f"params sha256={params_digest(agent_state.params)} "
-              f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))}", flush=True)
-    elif args.resume:
-        fail(f"--resume: runs/{args.run_name}/checkpoints has no complete checkpoint")
+    # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
+    stop_event = threading.Event()  # set by whoever stops the run; every queue wait sees it
+    preemption = Preemption(layout.world_size, stop_event)  # SIGTERM / Ctrl-C: stop after an update, checkpoint
+    actors, actor_fns = ActorThreads(stop_event), make_actor_fns(agent)
+    num_envpool_threads = envpool_num_threads(args.envpool_threads, args.num_actor_threads * len(layout.actor_devices))
+    params_queues, rollout_queues, queue_devices = [], [], []
+    for thread_index in range(len(layout.actor_devices) * args.num_actor_threads):
+        actor_device = layout.actor_devices[thread_index // args.num_actor_threads]
+        params_queues.append(queue.Queue(maxsize=1))
+        rollout_queues.append(queue.Queue(maxsize=1))
+        queue_devices.append(actor_device)
+        actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
+                     start_update=start_update, key=actor_key, actor_device=actor_device,
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     learner_devices=layout.learner_devices, params_queue=params_queues[-1],
+                     rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 
-    writer = None
-    if is_main_process:
-        if args.track:
-            import wandb
+    def broadcast_params(agent_state: TrainState, version: int):
+        params_per_device = copies_for_devices(actor_params(agent_state), layout.actor_devices)
+        for params_queue, device in zip(params_queues, queue_devices):
+            queue_put(params_queue, (params_per_device[device], version), stop_event, args.queue_timeout)
 
-            wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                       name=args.run_name, id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow", save_code=True)
-        writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track, resume_step=start_update * args.batch_size)
-        if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
-            writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
-                            + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
-
-    get_action_and_value, get_value = make_actor_fns(agent)
-
-    def params_for_actor_devices() -> dict:
-        # one copy of our shard of the replicated (possibly multi-process) params and obs statistics per actor device,
-        # shared by its threads; a copy even when actor and learner share a device, since the learner donates its buffers
-        local_params = jax.tree.map(lambda x: x.addressable_shards[0].data, actor_params(agent_state))
-        return {device: jax.device_put(local_params, device, may_alias=False) for device in actor_devices}
-
-    stop_event = threading.Event()
-    actor_errors: list = []
-    params_queues, rollout_queues, actor_threads, params_queue_devices = [], [], [], []
-    params_per_actor_device = params_for_actor_devices()
-    for device_index, actor_device in enumerate(actor_devices):
-        for thread_id in range(args.num_actor_threads):
-            thread_index = device_index * args.num_actor_threads + thread_id
-            params_queues.append(queue.Queue(maxsize=1))
-            rollout_queues.append(queue.Queue(maxsize=1))
-            params_queues[-1].put((params_per_actor_device[actor_device], start_update))
-            params_queue_devices.append(actor_device)
-            thread = threading.Thread(
-                target=actor_thread_main, name=f"actor-{thread_index}", daemon=True,
-                args=(rollout, actor_errors, stop_event, args, thread_index, start_update, actor_key, make_envs,
-                      actor_device,
-                      learner_devices, params_queues[-1], rollout_queues[-1], stop_event, get_action_and_value,
-                      get_value),
-            )
-            thread.start()
-            actor_threads.append(thread)
-
-    def check_actors():
-        if actor_errors:
-            raise RuntimeError(f"an actor thread failed: {actor_errors[0]!r}") from actor_errors[0]
-
-    received_signals: list[int] = []
-
-    def on_preemption(signum, frame):
-        """SLURM preemption (SIGTERM) or Ctrl-C: stop at an update boundary and checkpoint; a second
-        signal interrupts at once."""
-        received_signals.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if args.world_size == 1:
-            stop_event.set()  # alone, stop the actors now; several processes first agree on the update
-
-    def preempted() -> bool:
-        if args.world_size == 1:
-            return bool(received_signals)
-        # every process must stop after the same update, or the others would wait in its collectives
-        return bool(multihost_utils.process_allgather(np.int32(bool(received_signals))).any())
-
-    signal.signal(signal.SIGTERM, on_preemption)
-    signal.signal(signal.SIGINT, on_preemption)
+    broadcast_params(agent_state, start_update)
     learner_policy_version = start_update
-    start_time = time.time()
-    try:
+    with preemption.guard(actors, close=logger.close):
         for update_index in range(start_update + 1, args.num_updates + 1):
-            if preempted():
+            if preemption.requested():
                 break
             rollout_queue_get_start = time.time()
-            per_thread_storages, actor_versions, actor_stats = [], [], []
-            for rollout_queue in rollout_queues:
-                try:
-                    storages, actor_policy_version, stats = queue_get(rollout_queue, stop_event, args.queue_timeout)
-                except RunStopped:
-                    check_actors()  # an actor failed: raise its error; otherwise a signal stopped the run
-                    raise
-                per_thread_storages.append(storages)
-                actor_versions.append(actor_policy_version)
-                actor_stats.append(stats)
+            # (storages, actor_policy_version, stats) of every thread; the actor skipped one params get
+            per_thread_storages, actor_versions, actor_stats = zip(
+                *(queue_get(q, stop_event, args.queue_timeout) for q in rollout_queues))
             assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
             rollout_queue_get_time = time.time() - rollout_queue_get_start
-            global_step = update_index * args.batch_size
 
             training_start = time.time()
-            storage = assemble_global_rollout(per_thread_storages, mesh, args.batch_size // args.num_steps)
+            storage = assemble_global_rollout(per_thread_storages, layout.mesh, args.batch_size // args.num_steps)
             agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
             learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
             metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
             training_time = time.time() - training_start
-            trained_policy_version = learner_policy_version  # the version the gradient was taken at
             learner_policy_version += 1
-            check_actors()
+            actors.check()
             if update_index < args.num_updates:
-                params_per_actor_device = params_for_actor_devices()
-                for params_queue, actor_device in zip(params_queues, params_queue_devices):
-                    queue_put(params_queue, (params_per_actor_device[actor_device], learner_policy_version), stop_event,
-                              args.queue_timeout)
+                broadcast_params(agent_state, learner_policy_version)
 
+            logger.log_update(update_index, {
+                **metrics, "charts/learning_rate": learning_rate, "stats/actor_policy_version": actor_versions[0],
+                "stats/learner_policy_version": learner_policy_version - 1,  # the version the gradient was taken at
+                "stats/rollout_queue_get_time": rollout_queue_get_time, "stats/training_time": training_time,
+            }, actor_stats)
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
-                save_checkpoint(checkpoint_manager, update_index, agent_state, learner_key, args)
+                logger.flush()  # the update's scalars are on disk before its checkpoint
+                checkpoints.save(update_index, (agent_state, learner_key), args, state_summary(agent_state))
 
-            returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
-            lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
-            sps = int((global_step - start_update * args.batch_size) / (time.time() - start_time))
-            scalars = {
-                "charts/SPS": sps,
-                "charts/learning_rate": learning_rate,
-                "losses/loss": metrics[0],
-                "losses/policy_loss": metrics[1],
-                "losses/value_loss": metrics[2],
-                "losses/entropy": metrics[3],
-                "losses/approx_kl": metrics[4],
-                "stats/actor_policy_version": actor_versions[0],
-                "stats/learner_policy_version": trained_policy_version,
-                "stats/rollout_queue_get_time": rollout_queue_get_time,
-                "stats/training_time": training_time,
-                # the process's peak resident memory so far (ru_maxrss is in KiB on Linux, bytes on macOS)
-                "stats/peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10),
-            }
-            for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
-                         "rollout_queue_put_time"]:
-                scalars[f"stats/{name}"] = np.mean([s[name] for s in actor_stats])
-            if not np.all(np.isnan(returns)):
-                scalars["charts/avg_episodic_return"] = np.nanmean(returns)
-                scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
-            if writer is not None:
-                writer.add_scalars(scalars, global_step)
-            if update_index % args.log_frequency == 0 or update_index == args.num_updates:
-                eta = (args.num_updates - update_index) * (time.time() - start_time) / (update_index - start_update)
-                process_sps = int(args.local_batch_size * (update_index - start_update) / (time.time() - start_time))
-                process_sps = f"process_SPS={process_sps} " if args.world_size > 1 else ""
-                print(f"update={update_index}/{args.num_updates} global_step={global_step} SPS={sps} {process_sps}"
-                      f"avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
-                      f"actor_policy_version={actor_versions[0]} learner_policy_version={trained_policy_version} "
-                      f"ETA={eta:.0f}s", flush=True)
-    except RunStopped:
-        if not received_signals:
-            raise
-    except BaseException:
-        if args.distributed:
-            # a peer process may be dead: jax.distributed's exit barrier would wait for it (minutes), so
-            # report, close what we wrote, and leave now; the others fail in their next collective
-            stop_event.set()
-            if writer is not None:
-                writer.close()
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        raise
-    finally:
-        stop_event.set()
-        for thread in actor_threads:
-            thread.join(timeout=10)
-        if writer is not None:
-            writer.close()
-
-    if checkpoint_manager.latest_step() != learner_policy_version:
-        save_checkpoint(checkpoint_manager, learner_policy_version, agent_state, learner_key, args)
-    checkpoint_manager.close()
+    if checkpoints.latest_step() != learner_policy_version:  # the end, or the update a signal stopped at
+        checkpoints.save(learner_policy_version, (agent_state, learner_key), args, state_summary(agent_state))
+    checkpoints.close()
     # every process prints this: equal digests show that all learner replicas hold the same params and statistics
-    print(f"process {args.local_rank}: final params sha256={params_digest(agent_state.params)} "
-          f"stats sha256={params_digest((agent_state.obs_rms, agent_state.return_rms))}", flush=True)
-    if received_signals:
-        print(f"stopped by signal {received_signals[0]} after update {learner_policy_version}: run the same command "
-              f"(--run-name {args.run_name}) to resume", flush=True)
+    print(f"process {layout.local_rank}: final {state_summary(agent_state)}", flush=True)
+    preemption.report(learner_policy_version, args.run_name)
     upload_succeeded = True
-    if args.save_model and is_main_process and not received_signals:
-        model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
-        host_value = lambda tree: jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
-        with open(model_path, "wb") as f:
-            f.write(flax.serialization.msgpack_serialize({
-                "script": os.path.basename(__file__)[: -len(".py")],  # cleanrl_utils.evals imports it to evaluate
-                "args": json.dumps(asdict(args)),
-                "params": flax.serialization.to_state_dict(host_value(agent_state.params)),
-                "obs_rms": host_value(agent_state.obs_rms)._asdict(),  # the policy's input normalization
-            }))
-        print(f"model saved to {model_path}")
-        upload_succeeded = evaluate_and_upload(args, model_path, __file__)  # eval/episodic_return, videos
-    if args.track and is_main_process:
-        import wandb
-
-        wandb.finish()
-    if args.distributed:
-        jax.distributed.shutdown()
-    if received_signals:
-        sys.exit(128 + received_signals[0])  # the shell's code for "ended by this signal": 143 SIGTERM, 130 Ctrl-C
-    if not upload_succeeded:
-        sys.exit(1)  # the model, card and video are on disk (see the error above); only the upload is missing
+    if args.save_model and layout.is_main_process and not preemption.stop_signal:  # a final, complete model only
+        upload_succeeded = save_evaluate_upload(args, __file__, {
+            "params": to_state_dict(local_value(agent_state.params)),
+            "obs_rms": local_value(agent_state.obs_rms)._asdict(),  # the policy's input normalization
+        })
+    logger.finish()
+    shutdown()  # jax.distributed
+    # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
+    return preemption.exit_code or (0 if upload_succeeded else 1)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))
