@@ -179,7 +179,7 @@ def test_dm_control_observations_are_flattened_in_key_order():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Shared by the tests below: two same-seed runs, a run stopped by SIGTERM and resumed twice from the same
-    checkpoint, and a two-process run. Tiny Pendulum settings, 8 updates of 32 env steps."""
+    checkpoint (tiny Pendulum settings, updates of 32 env steps), and a two-process dm_control run."""
     import subprocess
 
     workdir = tmp_path_factory.mktemp("sac")
@@ -200,7 +200,10 @@ def runs(tmp_path_factory):
     shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
     result["resumed"] = run_script(long, workdir, "stopped", script=SAC_SCRIPT)
     result["resumed_again"] = run_script(long, copy, "stopped", script=SAC_SCRIPT)
-    processes = start_processes([*TINY, "--total-timesteps", "256"], workdir, 2, run_name="two", script=SAC_SCRIPT)
+    # dm_control (dict observations) here, with the saved model evaluated by process 0
+    dm_control = [*TINY[2:], "--env-id", "CheetahRun-v1", "--save-model", "--eval-episodes", "1"]
+    processes = start_processes([*dm_control, "--total-timesteps", "256"], workdir, 2, run_name="two",
+                                script=SAC_SCRIPT)
     outputs = [process.communicate(timeout=300) for process in processes]
     result["two"] = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
     return result
@@ -234,8 +237,10 @@ def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(run
 
 
 def test_two_processes_keep_identical_params(runs):
+    """On dm_control's CheetahRun-v1 (dict observations, flattened), 2 processes x 1 learner device."""
     (code0, out0, err0), (code1, out1, err1) = runs["two"]
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
+    assert "evaluated runs/two/" in out0 and "episodic_return=" in out0  # the saved policy runs on dict observations
     params0, optimizer0, replay0 = final_digests(out0)
     params1, optimizer1, replay1 = final_digests(out1)
     assert (params0, optimizer0) == (params1, optimizer1), "learner replicas diverged"
