@@ -592,6 +592,14 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     return LearnerFns(init_replay, update, gradient_step)
 
 
+@jax.jit
+def end_stored_episodes(replay):
+    """After a resume the actors start new episodes: the newest stored row of each env has no next observation in
+    the replay (the next row will be a new episode's first), so its transition must not be learned."""
+    newest = (replay.current_index - 1) % replay.experience.valid.shape[1]
+    return replay.replace(experience=replay.experience._replace(valid=replay.experience.valid.at[:, newest].set(False)))
+
+
 def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: int) -> Rollout:
     """Concatenate the actor threads' slices on each local learner device, then view them as one
     global array over the learner devices of all processes (env axis sharded, device-major)."""
@@ -663,6 +671,7 @@ def main(args: Args) -> int:
     (agent_state, replay, learner_key), start_update = checkpoints.restore(
         (replicate(agent_state, layout.mesh), learner.init_replay(), learner_key), args,
         summary=lambda state: state_summary(*state[:2]))
+    replay = end_stored_episodes(replay) if start_update else replay
     logger = RunLogger(args, is_main_process=layout.is_main_process, world_size=layout.world_size,
                        start_update=start_update)
 

@@ -121,6 +121,12 @@ def test_replay_keeps_each_devices_envs_wraps_around_and_samples_consecutive_row
         envs = np.array([2 * device, 2 * device + 1])[:, None]  # device d keeps envs 2d, 2d+1 (env axis sharded)
         expected_time = np.array([12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])  # rows 0..3 overwritten by times 12..15
         np.testing.assert_array_equal(rows, 100 * envs + expected_time)
+    # a resumed run's actors start new episodes: the newest row of every env (time 15, column 3) is never learned
+    ended = sac.end_stored_episodes(replay)
+    for device in range(2):
+        expected_valid = np.ones((2, 12), bool)
+        expected_valid[:, 3] = False
+        np.testing.assert_array_equal(shard_rows(ended, device)["valid"], expected_valid)
     # sampling from one device's shard: pairs are consecutive times of one env, never across the write position
     buffer = sac.make_replay_buffer(args, 2, N, local=True)
     local = replay.replace(experience=sac.Rollout(**{k: jnp.asarray(v) for k, v in shard_rows(replay, 0).items()}))
