@@ -321,7 +321,7 @@ def scale_actions(actions, low, high):
 
 
 def soft_bellman_target(*, rewards, terminations, next_q1, next_q2, next_logprobs, alpha, gamma):
-    """y = r + gamma (1 - termination) (min(Q1', Q2') - alpha log pi(a'|s')) (SAC paper Eq. 3 with clipped double Q).
+    """y = r + gamma (1 - termination) (min(Q1', Q2') - alpha log pi(a'|s')) (SAC paper Eqs. 2-3, clipped double Q).
     A truncation is not a termination: the stored next observation is the true last one, so it bootstraps."""
     soft_value = jnp.minimum(next_q1, next_q2) - alpha * next_logprobs
     return rewards + gamma * (1.0 - terminations) * soft_value

@@ -4,6 +4,7 @@ parallelism, and runs of the script (determinism, two processes, SIGTERM + resum
 import re
 import shutil
 import signal
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import scipy.stats
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, load_script, run_script, script_command, script_env, start_processes, wait_for_line
+from conftest import REPO, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
 
 SAC_SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py"
 sac = load_script(SAC_SCRIPT)
@@ -182,30 +183,40 @@ def test_dm_control_observations_are_flattened_in_key_order():
 # ---------------------------------------------------------------- runs of the script
 
 
+def start(flags: list[str], cwd, run_name: str) -> subprocess.Popen:
+    return subprocess.Popen(script_command(flags, run_name, SAC_SCRIPT), cwd=cwd, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, cwd, run_name: str) -> Run:
+    out, err = process.communicate(timeout=300)
+    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Shared by the tests below: two same-seed runs, a run stopped by SIGTERM and resumed twice from the same
-    checkpoint (tiny Pendulum settings, updates of 32 env steps), and a two-process dm_control run."""
-    import subprocess
-
+    """Shared by the tests below, started a few at a time (they are small): two same-seed runs and a run stopped by
+    SIGTERM, then two resumes of its checkpoint (tiny Pendulum settings, updates of 32 env steps), then a
+    two-process dm_control run."""
     workdir = tmp_path_factory.mktemp("sac")
     flags = [*TINY, "--total-timesteps", "256", "--seed", "3"]
-    result = {"first": run_script(flags, workdir, "first", script=SAC_SCRIPT),
-              "second": run_script(flags, workdir, "second", script=SAC_SCRIPT)}
     long = [*TINY, "--total-timesteps", "384", "--seed", "3"]  # 12 updates: SIGTERM after the 4th
-    process = subprocess.Popen(script_command(long, "stopped", SAC_SCRIPT), cwd=workdir, env=script_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
+                                                                                                    "stopped")
     try:
-        lines = wait_for_line(process, "update=4/")
-        process.send_signal(signal.SIGTERM)
-        out, err = process.communicate(timeout=120)
+        lines = wait_for_line(stopped, "update=4/")
+        stopped.send_signal(signal.SIGTERM)
+        out, err = stopped.communicate(timeout=120)
+        result = {"first": finish(first, workdir, "first"), "second": finish(second, workdir, "second")}
     finally:
-        process.kill()
-    result["stopped"] = (process.returncode, "".join(lines) + out, err)
+        for process in [first, second, stopped]:
+            process.kill()
+    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
     copy = tmp_path_factory.mktemp("sac_copy")  # the same run (--run-name is a flag of the run) in another folder
     shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
-    result["resumed"] = run_script(long, workdir, "stopped", script=SAC_SCRIPT)
-    result["resumed_again"] = run_script(long, copy, "stopped", script=SAC_SCRIPT)
+    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
+    result["resumed"], result["resumed_again"] = finish(resumed, workdir, "stopped"), finish(resumed_again, copy,
+                                                                                              "stopped")
     # dm_control (dict observations) here, with the saved model evaluated by process 0
     dm_control = [*TINY[2:], "--env-id", "CheetahRun-v1", "--save-model", "--eval-episodes", "1"]
     processes = start_processes([*dm_control, "--total-timesteps", "256"], workdir, 2, run_name="two",
