@@ -38,7 +38,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, learner_loop,
+                                   local_value, replicate, shutdown)
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
@@ -147,6 +148,10 @@ class Args:
     """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
     heartbeat_timeout: RunSetting[int] = 30
     """with --distributed: seconds without a heartbeat after which a process counts as dead"""
+    learner_loop: RunSetting[str] = "auto"
+    """the learner's loop over epochs and minibatches: scan (one compiled program per update), python (a compiled
+    minibatch step called from Python) or auto (python on CPU, where XLA compiles conv gradients inside scan
+    into a slow loop; scan on GPU/TPU). Both give the same update"""
     queue_timeout: RunSetting[float] = 1.0
     """seconds between checks for a stopped run while waiting on a queue"""
 
@@ -556,17 +561,17 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
 
-    A Python loop over epochs and minibatches drives one jitted minibatch step. On CPU, XLA turns a
-    conv weight-gradient inside `lax.scan` into a very slow loop, and unrolling the scan costs
-    minutes of compile; one compiled step called num_minibatches x update_epochs times costs neither.
+    `--learner-loop` drives epochs x minibatches either as one compiled program per update (`lax.scan`: GPU/TPU)
+    or as a Python loop over one compiled minibatch step (CPU: XLA turns a conv weight-gradient inside `lax.scan`
+    into a very slow loop). Both run the same per-device functions below, so they give the same update.
     """
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
-
     batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
 
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(rollout_specs,), out_specs=batch_specs)
     def prepare_batch(storage: Rollout) -> Batch:
         """Per device: advantages and returns, then flatten (T, envs) into samples."""
         advantages, returns = compute_gae(rewards=storage.rewards, values=storage.values,
@@ -594,12 +599,6 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
         return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
 
-    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
-    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
-
-    @partial(jax.jit, donate_argnums=(0,))
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, batch_specs, sharded_steps, replicated),
-             out_specs=(replicated, replicated))
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
         minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
@@ -611,12 +610,36 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         agent_state = agent_state.apply_gradients(grads=grads)
         return agent_state, (loss, *metrics)
 
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps)
     def shuffle(key):
         """Each learner device permutes its own samples with its own key."""
         key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    if learner_loop(args.learner_loop, mesh) == "scan":
+
+        @partial(jax.jit, donate_argnums=(0,))
+        @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs, replicated), out_specs=replicated)
+        def update(agent_state: TrainState, storage: Rollout, key):
+            batch = prepare_batch(storage)
+
+            def epoch(carry, _):
+                agent_state, key = carry
+                key, shuffle_key = jax.random.split(key)
+                permutation = shuffle(shuffle_key)
+                step = lambda agent_state, index: minibatch_update(agent_state, batch, permutation, index)
+                agent_state, metrics = jax.lax.scan(step, agent_state, jnp.arange(args.num_minibatches, dtype=jnp.int32))
+                return (agent_state, key), metrics
+
+            (agent_state, key), metrics = jax.lax.scan(epoch, (agent_state, key), length=args.update_epochs)
+            return agent_state, dict(zip(names, jax.tree.map(jnp.mean, metrics))), key
+
+        return update
+
+    prepare_batch = jax.jit(jax.shard_map(prepare_batch, mesh=mesh, in_specs=(rollout_specs,), out_specs=batch_specs))
+    minibatch_update = jax.jit(jax.shard_map(minibatch_update, mesh=mesh, out_specs=(replicated, replicated),
+                                             in_specs=(replicated, batch_specs, sharded_steps, replicated)),
+                               donate_argnums=(0,))
+    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(agent_state: TrainState, storage: Rollout, key):
         batch = prepare_batch(storage)
@@ -629,7 +652,6 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
                                                                   jnp.int32(minibatch_index))
                 metrics.append(minibatch_metrics)
         metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
-        names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
         return agent_state, dict(zip(names, metrics)), key
 
     return update

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cleanrl_utils.flags import UsageError, flag
+from cleanrl_utils.flags import LEARNER_LOOPS, UsageError, check_choice, flag
 
 _distributed = {"started": False}
 
@@ -87,6 +87,16 @@ def device_layout(args) -> DeviceLayout:
         world_size=world_size,
         local_rank=jax.process_index(),
     )
+
+
+def learner_loop(requested: str, mesh) -> str:
+    """`--learner-loop`: "scan" compiles a whole update (epochs x minibatches) into one program, which suits GPUs and
+    TPUs; "python" calls one compiled minibatch step from Python, which suits CPUs, where XLA turns a conv
+    weight-gradient inside `lax.scan` into a slow loop. "auto" picks by the learner devices' platform."""
+    check_choice("learner_loop", requested, LEARNER_LOOPS)
+    if requested != "auto":
+        return requested
+    return "python" if mesh.devices.flat[0].platform == "cpu" else "scan"
 
 
 def replicate(tree, mesh):

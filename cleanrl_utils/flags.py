@@ -74,6 +74,14 @@ def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), no
             raise UsageError(f"{flag(name)} must be one or more distinct non-negative device ids, got {ids}")
 
 
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise UsageError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+LEARNER_LOOPS = ("auto", "scan", "python")  # see cleanrl_utils.devices.learner_loop
+
+
 def run_cli(main, args_class, argv: list[str] | None = None):
     """Parse the flags with tyro and run `main(args)`; a `UsageError` becomes one `error:` line and exit code 2.
 
@@ -98,6 +106,8 @@ def check_run_flags(args):
     check_flags(args, positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"],
                 non_negative_ints=["checkpoint_frequency", "envpool_threads"],
                 positive=["queue_timeout", "heartbeat_timeout"], device_id_lists=["actor_device_ids", "learner_device_ids"])
+    if hasattr(args, "learner_loop"):
+        check_choice("learner_loop", args.learner_loop, LEARNER_LOOPS)
     if args.resume and args.run_name is None:
         raise UsageError("--resume needs --run-name: the name of the run to continue")
     if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):

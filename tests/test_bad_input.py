@@ -27,6 +27,7 @@ CASES = {
     "negative entropy coefficient": (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
+    "unknown learner loop": (["--learner-loop", "jit"], "--learner-loop must be one of auto, scan, python, got 'jit'"),
     "video without a saved model": (["--capture-video"], "--capture-video works on the model saved at the end of "
                                                          "training: add --save-model"),
     "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
