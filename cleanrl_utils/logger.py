@@ -57,6 +57,7 @@ class RunLogger:
             scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
         if self.writer is not None:
             self.writer.add_scalars(scalars, global_step)
+            self.flush()  # on disk before any checkpoint of this update counts as complete
         if update % args.log_frequency == 0 or update == args.num_updates:
             eta = (args.num_updates - update) * elapsed / (update - self.start_update)
             process_sps = int(args.local_batch_size * (update - self.start_update) / elapsed)

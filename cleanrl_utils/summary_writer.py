@@ -1,12 +1,62 @@
 """TensorBoard event files with the tensorboard package alone (no TensorFlow or PyTorch), and W&B if tracked."""
 
 import glob
+import json
 import os
 import time
 
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+from cleanrl_utils.run_folder import atomic_write
+
+# names without "tfevents": TensorBoard reads every file whose name holds it
+REWRITTEN = ".events-rewrite.tmp"
+JOURNAL = ".events-rewrite.json"
+
+
+def finish_rewrite(logdir: str):
+    """Complete a rewrite that a crash interrupted after its journal was written (roll forward): the rewritten
+    file takes its final name, the files it replaces go. Before the journal, the half-written file is dropped."""
+    journal, rewritten = os.path.join(logdir, JOURNAL), os.path.join(logdir, REWRITTEN)
+    if os.path.exists(journal):
+        with open(journal) as file:
+            plan = json.load(file)
+        if os.path.exists(rewritten):
+            os.replace(rewritten, os.path.join(logdir, plan["final"]))
+        for name in plan["remove"]:
+            if os.path.exists(os.path.join(logdir, name)):
+                os.remove(os.path.join(logdir, name))
+        os.remove(journal)
+    elif os.path.exists(rewritten):
+        os.remove(rewritten)
+
+
+def rewrite_events(logdir: str, keep_up_to_step: int):
+    """The run's event files become one file that holds their scalars up to `keep_up_to_step`, crash-safe: the
+    new file is written under a temporary name, then a journal (written atomically) says which name it takes and
+    which files go; a kill anywhere leaves either the old files or, after `finish_rewrite`, the new one alone."""
+    finish_rewrite(logdir)
+    earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
+    if not earlier_files:
+        return
+    with open(os.path.join(logdir, REWRITTEN), "wb") as file:
+        records = RecordWriter(file)
+        records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        for path in earlier_files:
+            for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
+                event = event_pb2.Event.FromString(record)
+                if event.HasField("summary") and keep_up_to_step > 0 and event.step <= keep_up_to_step:
+                    records.write(record)
+        file.flush()
+        os.fsync(file.fileno())
+    # the oldest name, so the rewritten file sorts before the new run's file (TensorBoard reads them in order)
+    atomic_write(os.path.join(logdir, JOURNAL), json.dumps({
+        "final": os.path.basename(earlier_files[0]),
+        "remove": [os.path.basename(path) for path in earlier_files[1:]]}).encode())
+    finish_rewrite(logdir)
 
 
 class SummaryWriter:
@@ -16,16 +66,9 @@ class SummaryWriter:
         """A run that starts again (resumed, or restarted after a crash) keeps what its earlier event files
         logged up to resume_step and drops the rest, so its curves continue without duplicated steps (a step
         logged out of order would make TensorBoard discard everything after it)."""
-        earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
+        os.makedirs(logdir, exist_ok=True)
+        rewrite_events(logdir, resume_step)
         self.event_writer = EventFileWriter(logdir)
-        for path in earlier_files:
-            for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
-                event = event_pb2.Event.FromString(record)
-                if event.HasField("summary") and resume_step > 0 and event.step <= resume_step:
-                    self.event_writer.add_event(event)
-        self.event_writer.flush()
-        for path in earlier_files:
-            os.remove(path)
         self.use_wandb = use_wandb
 
     def add_scalars(self, scalars: dict, step: int):
