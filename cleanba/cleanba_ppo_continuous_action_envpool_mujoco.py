@@ -106,7 +106,7 @@ class Args:
     num_actor_threads: int = 2
     """the number of actor threads on each actor device (positive)"""
     envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; at most the machine's cores)"""
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in [0, this machine's cores])"""
     num_steps: int = 256
     """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
     anneal_lr: bool = True

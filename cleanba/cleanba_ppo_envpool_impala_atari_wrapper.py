@@ -102,7 +102,7 @@ class Args:
     num_actor_threads: int = 2
     """the number of actor threads on each actor device (positive)"""
     envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; at most the machine's cores)"""
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in [0, this machine's cores])"""
     num_steps: int = 128
     """the number of steps of each rollout (PPO paper, Table 5: horizon 128) (positive)"""
     anneal_lr: bool = True

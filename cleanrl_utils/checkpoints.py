@@ -9,6 +9,7 @@ different folders stop at once with one line, instead of waiting forever for eac
 
 import hashlib
 import os
+import re
 import secrets
 import time
 
@@ -109,7 +110,9 @@ class Checkpoints:
             self.manager.wait_until_finished()
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore wrap the OS error in their own types
             cause = os_error_in(error)
-            cause = cause.strerror if cause is not None and cause.strerror else str(error).splitlines()[0][:200]
+            code = re.search(r"os_error_code='(\d+)'", str(error))  # tensorstore's errors carry errno as text
+            cause = (cause.strerror if cause is not None and cause.strerror else os.strerror(int(code.group(1)))
+                     if code else str(error).splitlines()[0][:200])
             raise RunError(f"cannot write checkpoint {update} into {self.directory}: {cause}; the last complete "
                            f"checkpoint ({self.manager.latest_step()}) is intact") from None
         print(f"checkpoint saved: update={update} global_step={global_step} {summary} in {time.time() - start:.2f}s",

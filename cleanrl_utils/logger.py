@@ -70,7 +70,7 @@ class RunLogger:
     def flush(self):
         """On disk now: an update's scalars are written before its checkpoint counts as complete."""
         if self.writer is not None:
-            self.writer.event_writer.flush()
+            self.writer.flush()
 
     def close(self):
         if self.writer is not None:
