@@ -4,6 +4,7 @@ Faults are injected as a user's run meets them (tests/fault_injection.py, signal
 the cheap checks call the script's main() in this process, the others run it as a subprocess.
 """
 
+import os
 import re
 import shutil
 import signal
@@ -274,3 +275,101 @@ def test_sigterm_to_process_1_stops_both_and_saves_no_model(tmp_path):
     assert stopped[0] == stopped[1]
     assert not list((tmp_path / "runs" / "pre").glob("*.cleanrl_model"))  # an interrupted model is never final
     assert "model saved" not in results[0][1]
+
+
+# ---------------------------------------------------------------- the shared modules alone
+
+
+def write_events(path: Path, steps: list[int]):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    with open(path, "wb") as file:
+        records = RecordWriter(file)
+        for step in steps:
+            value = summary_pb2.Summary.Value(tag="x", simple_value=float(path.name[-1] == "b"))
+            records.write(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=[value])).SerializeToString())
+
+
+@pytest.mark.parametrize("crash", ["none", "before the journal", "after the journal", "after the rename"])
+def test_the_event_rewrite_rolls_forward_from_any_crash(tmp_path, crash, monkeypatch):
+    from cleanrl_utils import summary_writer
+
+    class Crash(Exception):
+        pass
+
+    def crash_at(name, when):
+        real = getattr(summary_writer, name) if name != "remove" else os.remove
+        calls = []
+
+        def crashing(*args, **kwargs):
+            calls.append(args)
+            if when(calls):
+                raise Crash
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(*((summary_writer.os, "remove") if name == "remove" else (summary_writer, name)), crashing)
+
+    write_events(tmp_path / "events.out.tfevents.1.a", [1, 2, 3, 4])
+    write_events(tmp_path / "events.out.tfevents.2.b", [3, 4, 5, 6])  # steps 3, 4 again: the newer file wins
+    if crash == "before the journal":
+        crash_at("atomic_write", lambda calls: True)
+    elif crash == "after the journal":
+        crash_at("finish_rewrite", lambda calls: len(calls) == 2)  # the first call (at the start) has nothing to do
+    elif crash == "after the rename":
+        crash_at("remove", lambda calls: str(calls[-1][0]).endswith(".b"))  # .a removed, .b not yet
+    if crash == "none":
+        summary_writer.rewrite_events(str(tmp_path), keep_up_to_step=5)
+    else:
+        with pytest.raises(Crash):
+            summary_writer.rewrite_events(str(tmp_path), keep_up_to_step=5)
+    monkeypatch.undo()
+    summary_writer.finish_rewrite(str(tmp_path))  # what the next start does first
+    remaining = sorted(p.name for p in tmp_path.iterdir())
+    if crash == "before the journal":  # nothing happened: the old files as they were, the temporary file gone
+        assert remaining == ["events.out.tfevents.1.a", "events.out.tfevents.2.b"], remaining
+        return
+    assert remaining == ["events.out.tfevents.1.a.rewrite1"], remaining
+    assert read_scalars(tmp_path)["x"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 1.0)]
+
+
+def test_run_folder_lock_name_and_atomic_write(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    from cleanrl_utils.run_folder import RunFolder, atomic_write
+
+    @dataclass
+    class Flags:
+        run_name: str | None = None
+        checkpoint_dir: str | None = None
+
+    monkeypatch.chdir(tmp_path)
+    first = RunFolder(Flags(), is_main_process=True, default_name="CartPole-v1__ppo__1")
+    assert re.fullmatch(r"runs/CartPole-v1__ppo__1__\d+", f"runs/{(tmp_path / 'runs').iterdir().__next__().name}")
+    mine = RunFolder(Flags("mine", "shared"), is_main_process=True, default_name="x")
+    with pytest.raises(UsageError, match=r"^--checkpoint-dir: shared is in use by a live run \(process \d+ on "):
+        RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x")
+    mine.release()
+    RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x").release()  # free again
+    with pytest.raises(UsageError, match="--run-name must be one folder name"):
+        RunFolder(Flags(), is_main_process=True, default_name="ALE/Pong")
+    first.release()
+    atomic_write("model", b"whole")
+    assert (tmp_path / "model").read_bytes() == b"whole" and sorted(os.listdir(tmp_path)) == ["model", "runs",
+                                                                                                "shared"]
+
+
+def test_all_finite_and_the_divergence_line():
+    import jax.numpy as jnp
+
+    from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+
+    state = {"w": jnp.ones(3), "count": jnp.int32(2)}
+    assert all_finite({"losses/loss": 1.0}, state)
+    assert not all_finite({"losses/loss": float("nan")}, state)
+    assert not all_finite({"losses/loss": 1.0}, {"w": jnp.array([1.0, jnp.inf]), "count": jnp.int32(2)})
+    copied = copy_state(state)
+    assert copied["w"] is not state["w"] and jnp.array_equal(copied["w"], state["w"])
+    assert str(Diverged(7, {"losses/loss": float("nan"), "losses/entropy": 0.5})) == (
+        "update 7 diverged (a loss term or the learner's state is NaN or infinite): loss=nan, entropy=0.5; the last "
+        "finite state is checkpoint 6; try a lower --learning-rate or --max-grad-norm")
