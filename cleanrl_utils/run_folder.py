@@ -7,6 +7,7 @@ so a crashed run never leaves a stale lock behind. A second run with the same na
 
 import fcntl
 import os
+import sys
 
 from cleanrl_utils.devices import agreed_time
 from cleanrl_utils.flags import UsageError, check_name, flag
@@ -36,6 +37,11 @@ class RunFolder:
             lock.close()
             raise UsageError(f"{flag(name)}: {folder} is in use by a live run ({holder}); wait for it to end or "
                              f"choose another {flag(name)}") from None
+        except OSError as error:  # a file system without locks (some cluster mounts): run, but say so
+            print(f"warning: {folder} cannot be locked ({error.strerror}): make sure no other run uses "
+                  f"{flag(name)} {folder}", file=sys.stderr, flush=True)
+            lock.close()
+            return
         lock.truncate(0)
         lock.write(f"process {os.getpid()} on {os.uname().nodename}\n")
         lock.flush()
