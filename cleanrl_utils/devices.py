@@ -140,8 +140,13 @@ def agree_on_flags(args):
     from jax.experimental import multihost_utils
 
     encoded = json.dumps(agreed_values(args), default=str).encode()
-    length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
-    everyone = multihost_utils.process_allgather(np.frombuffer(encoded.ljust(length), np.uint8))
+    try:
+        length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
+        everyone = multihost_utils.process_allgather(np.frombuffer(encoded.ljust(length), np.uint8))
+    except Exception as error:  # noqa: BLE001 - e.g. processes with different numbers of devices
+        raise UsageError(f"--distributed: the processes could not compare their flags ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:200]}); start every process with the same flags and as many "
+                         "devices (the largest of --actor-device-ids and --learner-device-ids)") from None
     tables = [json.loads(bytes(row).decode()) for row in np.asarray(everyone)]
     for name, value in tables[0].items():
         for rank, table in enumerate(tables[1:], start=1):
