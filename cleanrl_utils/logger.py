@@ -67,6 +67,7 @@ class RunLogger:
             scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
         if self.writer is not None:
             self.writer.add_scalars(scalars, global_step)
+            self.flush()  # on disk before any checkpoint of this update counts as complete
         if update % args.log_frequency == 0 or update == args.num_updates:
             eta = (args.num_updates - update) * elapsed / (update - self.start_update)
             process_sps = int(args.local_batch_size * (update - self.start_update) / elapsed)
@@ -79,7 +80,7 @@ class RunLogger:
     def flush(self):
         """On disk now: an update's scalars are written before its checkpoint counts as complete."""
         if self.writer is not None:
-            self.writer.event_writer.flush()
+            self.writer.flush()
 
     def close(self):
         if self.writer is not None:

@@ -255,8 +255,8 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),  # continuous, but not MuJoCo
     (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
     (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
-    (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct non-negative device ids"),
-    (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct non-negative device ids"),
+    (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
+    (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct device ids in [0, 63]"),
     (["--learner-device-ids", "0", "7"], "--learner-device-ids [0, 7] out of range: this process has 4"),
     (["--hiddens", "64", "0"], "--hiddens must be one or more positive integers"),
     (["--local-num-envs", "3", "--learner-device-ids", "0", "1"], "--local-num-envs (3) must be divisible"),

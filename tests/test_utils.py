@@ -69,7 +69,7 @@ def test_check_flags_names_the_flag_and_what_is_allowed():
 
     cases = [({"n": 0}, "--n must be a positive integer, got 0"), ({"lr": float("nan")}, "--lr must be positive and finite"),
              ({"lr": float("inf")}, "--lr must be positive and finite"), ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
-             ({"ids": [1, 1]}, "--ids must be one or more distinct non-negative device ids")]
+             ({"ids": [1, 1]}, "--ids must be one or more distinct device ids in [0, 63]")]
     for values, message in cases:
         with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
             check_flags(Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"],
