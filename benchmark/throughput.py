@@ -163,7 +163,7 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
     """The script as a user runs it; steady-state SPS from the wall times of its TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    rates, rss_at_10, rss_last = [], [], []
+    rates, rss_at_10, rss_last, device_peak = [], [], [], []
     for repeat in range(harness.full_repeats):
         with tempfile.TemporaryDirectory() as cwd:
             command = [sys.executable, str(harness.script), *script_args, "--run-name", f"throughput{repeat}",
@@ -182,8 +182,10 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
             rss = [event.value for event in accumulator.Scalars("stats/peak_rss_mib")]
             rss_at_10.append(rss[min(9, len(rss) - 1)])
             rss_last.append(rss[-1])
+            if "stats/device_peak_memory_mib" in accumulator.Tags()["scalars"]:  # GPU/TPU
+                device_peak.append(accumulator.Scalars("stats/device_peak_memory_mib")[-1].value)
     return {**spread(rates), "peak_rss_mib_update_10": max(rss_at_10), "peak_rss_mib_last": max(rss_last),
-            "updates": harness.full_updates}
+            "updates": harness.full_updates, **({"device_peak_memory_mib": max(device_peak)} if device_peak else {})}
 
 
 def print_table(results: dict, platform: str, separate_devices: bool):
@@ -204,7 +206,8 @@ def print_table(results: dict, platform: str, separate_devices: bool):
     print(f"{'overlapped ceiling':<28}{overlapped:>12,.0f}{1e6 / overlapped:>12,.1f}   min of the three{note}")
     full = results["full"]
     print(f"peak RSS: {full['peak_rss_mib_update_10']:,.0f} MiB at update 10, {full['peak_rss_mib_last']:,.0f} MiB at "
-          f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})")
+          f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})"
+          + (f"; peak device memory {full['device_peak_memory_mib']:,.0f} MiB" if "device_peak_memory_mib" in full else ""))
 
 
 def summarize(path: Path, baseline: Path | None):

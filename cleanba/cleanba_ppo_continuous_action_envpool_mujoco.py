@@ -43,12 +43,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, learner_loop,
+                                   local_value, replicate, shutdown)
+from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
+from cleanrl_utils.run_folder import RunFolder
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
 
@@ -59,7 +62,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (in [0, 2**32 - 1])"""
     run_name: str | None = None
     """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
     track: RunSetting[bool] = False
@@ -71,7 +74,7 @@ class Args:
     save_model: RunSetting[bool] = False
     """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
     eval_episodes: RunSetting[int] = 10
-    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return)"""
+    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return) (positive)"""
     eval_greedy: RunSetting[bool] = False
     """with --save-model: evaluate with the most likely action instead of sampling it"""
     capture_video: RunSetting[bool] = False
@@ -81,11 +84,11 @@ class Args:
     hf_entity: RunSetting[str | None] = None
     """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's user)"""
     log_frequency: RunSetting[int] = 10
-    """print a console line every this many updates (TensorBoard gets every update)"""
+    """print a console line every this many updates (TensorBoard gets every update) (positive)"""
     checkpoint_frequency: RunSetting[int] = 100
-    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT)"""
+    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT; non-negative)"""
     checkpoint_keep: RunSetting[int] = 3
-    """how many of the newest checkpoints to keep"""
+    """how many of the newest checkpoints to keep (positive)"""
     checkpoint_dir: RunSetting[str | None] = None
     """the checkpoints' folder (default: runs/{run_name}/checkpoints); with --distributed, one folder that every
     process sees (a shared file system): checked at start"""
@@ -96,47 +99,47 @@ class Args:
     env_id: str = "HalfCheetah-v4"
     """the id of the environment: an envpool MuJoCo id (HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, ...)"""
     total_timesteps: int = 1_000_000
-    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)"""
+    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4
-    """the learning rate of the optimizer (PPO paper, Table 3)"""
+    """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
     local_num_envs: int = 4
-    """the number of parallel game environments of each actor thread"""
+    """the number of parallel game environments of each actor thread (positive)"""
     num_actor_threads: int = 2
-    """the number of actor threads on each actor device"""
+    """the number of actor threads on each actor device (positive)"""
     envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads)"""
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in [0, this machine's cores])"""
     num_steps: int = 256
-    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)"""
+    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
     anneal_lr: bool = True
     """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
     gamma: float = 0.99
-    """the discount factor gamma (PPO paper, Table 3)"""
+    """the discount factor gamma (PPO paper, Table 3) (in [0, 1])"""
     gae_lambda: float = 0.95
-    """the lambda for the general advantage estimation (PPO paper, Table 3)"""
+    """the lambda for the general advantage estimation (PPO paper, Table 3) (in [0, 1])"""
     num_minibatches: int = 32
-    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64)"""
+    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64) (positive)"""
     update_epochs: int = 10
-    """the K epochs to update the policy (PPO paper, Table 3)"""
+    """the K epochs to update the policy (PPO paper, Table 3) (positive)"""
     norm_adv: bool = True
     """toggles advantages normalization (per minibatch)"""
     clip_coef: float = 0.2
-    """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2)"""
+    """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2) (positive, finite)"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
     ent_coef: float = 0.0
-    """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo)"""
+    """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
     vf_coef: float = 0.5
-    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)"""
+    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping) (non-negative, finite)"""
     max_grad_norm: float = 0.5
-    """the maximum norm for the gradient clipping (baselines' PPO2)"""
+    """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
-    """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64)"""
+    """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
 
     # Sebulba: devices, threads, processes
     actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids that actor threads run inference on"""
+    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
     learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids the data-parallel learner runs on (in every process)"""
+    """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
     concurrency: bool = True
     """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
     distributed: RunSetting[bool] = False
@@ -144,13 +147,18 @@ class Args:
     coordinator_address: RunSetting[str | None] = None
     """with --distributed outside SLURM: host:port of process 0"""
     num_processes: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the number of processes"""
+    """with --distributed outside SLURM: the number of processes (in [1, 65536])"""
     process_id: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    """with --distributed outside SLURM: the id of this process, in [0, num_processes)"""
     heartbeat_timeout: RunSetting[int] = 30
-    """with --distributed: seconds without a heartbeat after which a process counts as dead"""
+    """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
+    wait for every process to start (in [1, 86400])"""
+    learner_loop: RunSetting[str] = "auto"
+    """the learner's loop over epochs and minibatches: scan (one compiled program per update), python (a compiled
+    minibatch step called from Python) or auto (python on CPU, where XLA compiles conv gradients inside scan
+    into a slow loop; scan on GPU/TPU). Both give the same update"""
     queue_timeout: RunSetting[float] = 1.0
-    """seconds between checks for a stopped run while waiting on a queue"""
+    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
 
     # derived by main (set_runtime_values), not flags
     local_batch_size: int = field(init=False, default=0)
@@ -555,17 +563,17 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
 
-    A Python loop over epochs and minibatches drives one jitted minibatch step. On CPU, XLA turns a
-    conv weight-gradient inside `lax.scan` into a very slow loop, and unrolling the scan costs
-    minutes of compile; one compiled step called num_minibatches x update_epochs times costs neither.
+    `--learner-loop` drives epochs x minibatches either as one compiled program per update (`lax.scan`: GPU/TPU)
+    or as a Python loop over one compiled minibatch step (CPU: XLA turns a conv weight-gradient inside `lax.scan`
+    into a very slow loop). Both run the same per-device functions below, so they give the same update.
     """
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
-
     batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
 
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs))
     def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
         """Per device: the running statistics updated with the rollout of all devices (the same on every device),
         rewards scaled with them (as gym's NormalizeReward), advantages and returns, then flatten (T, envs)."""
@@ -600,12 +608,6 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
         return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
 
-    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
-    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
-
-    @partial(jax.jit, donate_argnums=(0,))
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, batch_specs, sharded_steps, replicated),
-             out_specs=(replicated, replicated))
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
         minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
@@ -617,12 +619,37 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
         agent_state = agent_state.apply_gradients(grads=grads)
         return agent_state, (loss, *metrics)
 
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps)
     def shuffle(key):
         """Each learner device permutes its own samples with its own key."""
         key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    if learner_loop(args.learner_loop, mesh) == "scan":
+
+        @partial(jax.jit, donate_argnums=(0,))
+        @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs, replicated), out_specs=replicated)
+        def update(agent_state: AgentState, storage: Rollout, key):
+            agent_state, batch = prepare_batch(agent_state, storage)
+
+            def epoch(carry, _):
+                agent_state, key = carry
+                key, shuffle_key = jax.random.split(key)
+                permutation = shuffle(shuffle_key)
+                step = lambda agent_state, index: minibatch_update(agent_state, batch, permutation, index)
+                agent_state, metrics = jax.lax.scan(step, agent_state, jnp.arange(args.num_minibatches, dtype=jnp.int32))
+                return (agent_state, key), metrics
+
+            (agent_state, key), metrics = jax.lax.scan(epoch, (agent_state, key), length=args.update_epochs)
+            return agent_state, dict(zip(names, jax.tree.map(jnp.mean, metrics))), key
+
+        return update
+
+    prepare_batch = jax.jit(jax.shard_map(prepare_batch, mesh=mesh, in_specs=(replicated, rollout_specs),
+                                          out_specs=(replicated, batch_specs)))
+    minibatch_update = jax.jit(jax.shard_map(minibatch_update, mesh=mesh, out_specs=(replicated, replicated),
+                                             in_specs=(replicated, batch_specs, sharded_steps, replicated)),
+                               donate_argnums=(0,))
+    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(agent_state: AgentState, storage: Rollout, key):
         agent_state, batch = prepare_batch(agent_state, storage)
@@ -635,7 +662,6 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
                                                                   jnp.int32(minibatch_index))
                 metrics.append(minibatch_metrics)
         metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
-        names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
         return agent_state, dict(zip(names, metrics)), key
 
     return update
@@ -680,8 +706,8 @@ def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
     layout = device_layout(args)  # jax.distributed, host devices, the learner mesh over every process
     set_runtime_values(args, layout)
-    if args.run_name is None:
-        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_folder = RunFolder(args, is_main_process=layout.is_main_process,  # locked: one live run per folder
+                           default_name=f"{args.env_id}__{args.exp_name}__{args.seed}")
     # the agent and learner keys are the same in every process; each actor thread folds its global index into
     # actor_key, so no two threads (or processes) sample with the same key
     random.seed(args.seed)
@@ -732,10 +758,14 @@ def main(args: Args) -> int:
 
             training_start = time.time()
             storage = assemble_global_rollout(per_thread_storages, layout.mesh, args.batch_size // args.num_steps)
+            last_finite = (copy_state(agent_state), learner_key)  # checkpointed if this update diverges
             agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
             learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
             metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
             training_time = time.time() - training_start
+            if not all_finite(metrics, agent_state):  # NaN or inf: stop, never train on or save a wrong model
+                checkpoints.save(update_index - 1, last_finite, args, state_summary(last_finite[0]))
+                raise Diverged(update_index, metrics)
             learner_policy_version += 1
             actors.check()
             if update_index < args.num_updates:
@@ -747,11 +777,10 @@ def main(args: Args) -> int:
                 "stats/rollout_queue_get_time": rollout_queue_get_time, "stats/training_time": training_time,
             }, actor_stats)
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
-                logger.flush()  # the update's scalars are on disk before its checkpoint
                 checkpoints.save(update_index, (agent_state, learner_key), args, state_summary(agent_state))
 
-    if checkpoints.latest_step() != learner_policy_version:  # the end, or the update a signal stopped at
-        checkpoints.save(learner_policy_version, (agent_state, learner_key), args, state_summary(agent_state))
+    preemption.requested()  # once more: a signal that reached any process in the last update counts everywhere
+    checkpoints.save(learner_policy_version, (agent_state, learner_key), args, state_summary(agent_state))
     checkpoints.close()
     # every process prints this: equal digests show that all learner replicas hold the same params and statistics
     print(f"process {layout.local_rank}: final {state_summary(agent_state)}", flush=True)
@@ -763,6 +792,7 @@ def main(args: Args) -> int:
             "obs_rms": local_value(agent_state.obs_rms)._asdict(),  # the policy's input normalization
         })
     logger.finish()
+    run_folder.release()
     shutdown()  # jax.distributed
     # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
     return preemption.exit_code or (0 if upload_succeeded else 1)

@@ -9,24 +9,35 @@ different folders stop at once with one line, instead of waiting forever for eac
 
 import hashlib
 import os
+import re
 import secrets
 import time
 
 import numpy as np
 
-from cleanrl_utils.flags import UsageError, computation_flags, flag, settable_flags
+from cleanrl_utils.flags import RunError, UsageError, computation_flags, flag, settable_flags
 
 
 class CheckpointError(UsageError):
-    """A checkpoint that cannot be used: unreadable, or made with other flags."""
+    """A checkpoint that cannot be used: unreadable, corrupted, or made with other flags."""
 
 
 def tree_digest(tree) -> str:
     """sha256 of the leaves of a (replicated) tree as this process holds them: equal digests, equal states."""
     import jax
 
-    leaves = jax.tree.leaves(jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), tree))
+    leaves = jax.tree.leaves(jax.tree.map(
+        lambda x: np.asarray(x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x), tree))
     return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind an error (orbax and tensorstore wrap them), if any."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _is_key(x) -> bool:
@@ -82,15 +93,28 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, update: int, state, args, summary: str):
-        """The state (any tree of arrays and PRNG keys) after `update`. orbax writes to a temporary folder and renames
-        it when complete: a crash mid-write leaves no checkpoint that looks valid. `summary` (digests) is printed."""
+        """The state (any tree of arrays and PRNG keys) after `update` (unless it is saved already) with its digest.
+        orbax writes to a temporary folder and renames it when complete: a crash mid-write leaves no checkpoint that
+        looks valid. `summary` (digests) is printed. Disk full, permission denied: a RunError naming the folder."""
         import orbax.checkpoint as ocp
 
+        if update == self.manager.latest_step():
+            return
         start, global_step = time.time(), update * args.batch_size
-        meta = {"args": settable_flags(args), "update": update, "global_step": global_step}
-        self.manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(_keys_to_data(state)),
-                                                          meta=ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
+        state = _keys_to_data(state)
+        meta = {"args": settable_flags(args), "update": update, "global_step": global_step,
+                "digest": tree_digest(state)}
+        try:
+            self.manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(meta)))
+            self.manager.wait_until_finished()
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore wrap the OS error in their own types
+            cause = os_error_in(error)
+            code = re.search(r"os_error_code='(\d+)'", str(error))  # tensorstore's errors carry errno as text
+            cause = (cause.strerror if cause is not None and cause.strerror else os.strerror(int(code.group(1)))
+                     if code else str(error).splitlines()[0][:200])
+            raise RunError(f"cannot write checkpoint {update} into {self.directory}: {cause}; the last complete "
+                           f"checkpoint ({self.manager.latest_step()}) is intact") from None
         print(f"checkpoint saved: update={update} global_step={global_step} {summary} in {time.time() - start:.2f}s",
               flush=True)
 
@@ -111,7 +135,7 @@ class Checkpoints:
             meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if meta["global_step"] != update * args.batch_size:
                 raise CheckpointError(
-                    f"--resume: checkpoint {path} was made with {meta['global_step'] // update} steps per update, this "
+                    f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per update, this "
                     f"run has {args.batch_size} (--local-num-envs x --num-steps x --num-actor-threads x actor devices x "
                     "processes); use the checkpoint's values or another --run-name")
             for name, value in computation_flags(args).items():
@@ -121,12 +145,15 @@ class Checkpoints:
                         f"{value}; use the checkpoint's value or another --run-name")
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _keys_to_data(state))
             restored = self.manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as error:
-            if isinstance(error, CheckpointError):
-                raise
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is one line, whatever orbax raised
             raise CheckpointError(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
                                   f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
                                   "from an older one") from None
+        if "digest" in meta and tree_digest(restored["state"]) != meta["digest"]:
+            raise CheckpointError(f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
+                                  "saved with it); delete it to resume from an older one")
         restored = jax.tree.map(lambda template, x: jax.random.wrap_key_data(x) if _is_key(template) else x,
                                 state, restored["state"], is_leaf=_is_key)
         print(f"resumed from checkpoint: update={update} global_step={meta['global_step']} {summary(restored)}",

@@ -4,12 +4,17 @@ The actor devices are local to each process; the learner devices are `--learner-
 in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
 """
 
+import json
 import os
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from cleanrl_utils.flags import UsageError, flag
+from cleanrl_utils.flags import LEARNER_LOOPS, UsageError, check_choice, computation_flags, flag
 
 _distributed = {"started": False}
 
@@ -61,13 +66,8 @@ def device_layout(args) -> DeviceLayout:
     from jax.sharding import Mesh
 
     if args.distributed:
-        try:
-            # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                       heartbeat_timeout_seconds=args.heartbeat_timeout)
-        except ValueError as error:  # e.g. no SLURM and no --coordinator-address: JAX cannot tell the cluster
-            raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
-        _distributed["started"] = True
+        start_distributed(args)
+        agree_on_flags(args)
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
         if max(getattr(args, name)) >= len(local_devices):
@@ -87,6 +87,91 @@ def device_layout(args) -> DeviceLayout:
         world_size=world_size,
         local_rank=jax.process_index(),
     )
+
+
+def learner_loop(requested: str, mesh) -> str:
+    """`--learner-loop`: "scan" compiles a whole update (epochs x minibatches) into one program, which suits GPUs and
+    TPUs; "python" calls one compiled minibatch step from Python, which suits CPUs, where XLA turns a conv
+    weight-gradient inside `lax.scan` into a slow loop. "auto" picks by the learner devices' platform."""
+    check_choice("learner_loop", requested, LEARNER_LOOPS)
+    if requested != "auto":
+        return requested
+    return "python" if mesh.devices.flat[0].platform == "cpu" else "scan"
+
+
+def start_distributed(args):
+    """jax.distributed.initialize, bounded: a peer that has not arrived after --heartbeat-timeout seconds ends the
+    wait with one line (JAX's own timeout aborts the process with a C++ stack dump, so ours fires first)."""
+    import jax
+
+    if args.coordinator_address is not None:
+        host = args.coordinator_address.rpartition(":")[0].strip("[]")
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError) as error:
+            raise UsageError(f"--coordinator-address {args.coordinator_address}: cannot resolve {host!r} "
+                             f"({getattr(error, 'strerror', None) or error}); use host:port of process 0") from None
+    started = time.time()
+
+    def give_up():
+        print(f"error: --distributed: not every process arrived within --heartbeat-timeout {args.heartbeat_timeout}s "
+              f"(waited {time.time() - started:.0f}s for {args.num_processes or 'all'} processes at "
+              f"{args.coordinator_address or 'the SLURM coordinator'}); start them all, or raise --heartbeat-timeout",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(args.heartbeat_timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
+                                   initialization_timeout=args.heartbeat_timeout + 60,
+                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+    except ValueError as error:  # e.g. no SLURM and no --coordinator-address: JAX cannot tell the cluster
+        raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
+    finally:
+        timer.cancel()
+    _distributed["started"] = True
+
+
+def agreed_values(args) -> dict:
+    """What every process of a run must share: the flags that shape the computation, the checkpoint schedule,
+    and how many devices each process gives the actors and the learner (the batch is split by them)."""
+    return {**computation_flags(args), **{name: getattr(args, name) for name in [
+        "checkpoint_frequency", "checkpoint_keep", "resume", "heartbeat_timeout"]},
+        "actor_device_ids (count)": len(args.actor_device_ids),
+        "learner_device_ids (count)": len(args.learner_device_ids)}
+
+
+def agree_on_flags(args):
+    """Every process compares its values with everyone's before any heavy work: a mismatch is the same UsageError
+    in every process, naming the flag and both values (instead of a hang or an abort deep in a collective)."""
+    from jax.experimental import multihost_utils
+
+    encoded = json.dumps(agreed_values(args), default=str).encode()
+    try:
+        length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
+        everyone = multihost_utils.process_allgather(np.frombuffer(encoded.ljust(length), np.uint8))
+    except Exception as error:  # noqa: BLE001 - e.g. processes with different numbers of devices
+        raise UsageError(f"--distributed: the processes could not compare their flags ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0][:200]}); start every process with the same flags and as many "
+                         "devices (the largest of --actor-device-ids and --learner-device-ids)") from None
+    tables = [json.loads(bytes(row).decode()) for row in np.asarray(everyone)]
+    for name, value in tables[0].items():
+        for rank, table in enumerate(tables[1:], start=1):
+            if table.get(name) != value:
+                raise UsageError(f"the processes disagree on {flag(name)}: process 0 has {value}, process {rank} has "
+                                 f"{table.get(name)}; every process of a run needs the same value")
+
+
+def agreed_time() -> int:
+    """Process 0's clock (unix seconds), the same in every process: e.g. for the default run name."""
+    if not distributed_started():
+        return int(time.time())
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(time.time())))
 
 
 def replicate(tree, mesh):

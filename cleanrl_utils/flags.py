@@ -1,12 +1,14 @@
-"""Flags: the typed error for bad input, the marker for flags a resumed run may change, checks, the CLI entry.
+"""Flags: the typed errors, the marker for flags a resumed run may change, checks, the CLI entry.
 
-Library code raises `UsageError`; only `run_cli` turns it into what a user sees: one `error:` line naming the
-flag, exit code 2 (like argparse).
+Library code raises `UsageError` (bad input) or `RunError` (a run that cannot go on: a full disk, divergence);
+only `run_cli` turns them into what a user sees: one `error:` line, exit code 2 (like argparse) or 1.
 """
 
 import dataclasses
 import math
+import errno
 import os
+import re
 import sys
 import typing
 from typing import Annotated, TypeVar
@@ -18,6 +20,17 @@ T = TypeVar("T")
 
 class UsageError(ValueError):
     """Bad input, named by its flag: `run_cli` prints it as one `error:` line and exits with code 2."""
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on (disk full, permission denied, divergence): one `error:` line, exit code 1."""
+
+
+def os_error_line(error: OSError, doing: str = "cannot write") -> str:
+    """An OSError as one line with the path and the cause, e.g. "cannot write runs/x/f: No space left on device"."""
+    path = error.filename or "?"
+    cause = error.strerror or errno.errorcode.get(error.errno, str(error))
+    return f"{doing} {path}: {cause}"
 
 
 class _RunSetting:
@@ -48,8 +61,13 @@ def computation_flags(args) -> dict:
 
 
 def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), non_negative=(), unit_interval=(),
-                positive_int_lists=(), device_id_lists=()):
-    """Range checks by kind, each failing with the flag's name and what is allowed. Floats must be finite."""
+                positive_int_lists=(), device_id_lists=(), ranges=None):
+    """Range checks by kind, each failing with the flag's name and what is allowed. Floats must be finite.
+    `ranges`: {name: (low, high)}, both included (an upper bound where the OS or JAX has one)."""
+    for name, (low, high) in (ranges or {}).items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and low <= value <= high):
+            raise UsageError(f"{flag(name)} must be in [{low}, {high}], got {value}")
     for name in positive_ints:
         if getattr(args, name) <= 0:
             raise UsageError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
@@ -63,41 +81,73 @@ def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), no
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
             raise UsageError(f"{flag(name)} must be non-negative and finite, got {getattr(args, name)}")
     for name in unit_interval:
-        if not 0 <= getattr(args, name) <= 1:
+        if not 0 <= getattr(args, name) <= 1:  # NaN fails too
             raise UsageError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
     for name in positive_int_lists:
         if not getattr(args, name) or min(getattr(args, name)) <= 0:
             raise UsageError(f"{flag(name)} must be one or more positive integers, got {getattr(args, name)}")
     for name in device_id_lists:
         ids = getattr(args, name)
-        if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
-            raise UsageError(f"{flag(name)} must be one or more distinct non-negative device ids, got {ids}")
+        if not ids or min(ids) < 0 or max(ids) > MAX_DEVICE_ID or len(set(ids)) != len(ids):
+            raise UsageError(f"{flag(name)} must be one or more distinct device ids in [0, {MAX_DEVICE_ID}], got {ids}")
+
+
+MAX_DEVICE_ID = 63  # a host has at most a few dozen accelerators; on CPU, id N makes N + 1 host devices
+MAX_SEED = 2**32 - 1  # NumPy's seed range
+MAX_SECONDS = 86_400  # timeouts: at most a day
+NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_name(value: str | None, name: str):
+    """Run and experiment names are one path component: letters, digits and `._-`, not `.` or `..`."""
+    if value is not None and (not NAME.fullmatch(value) or value in (".", "..")):
+        raise UsageError(f"{flag(name)} must be one folder name of letters, digits and ._- (not . or ..), got {value!r}")
+
+
+def check_choice(name: str, value, choices):
+    if value not in choices:
+        raise UsageError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+LEARNER_LOOPS = ("auto", "scan", "python")  # see cleanrl_utils.devices.learner_loop
 
 
 def run_cli(main, args_class, argv: list[str] | None = None):
     """Parse the flags with tyro and run `main(args)`; a `UsageError` becomes one `error:` line and exit code 2.
 
+    A `RunError` or an `OSError` (disk full, permission denied, read-only) is one line with exit code 1.
     After jax.distributed has started, the exit skips the interpreter's shutdown: its exit barrier would wait
     for peers that may still be training (they stop with their own error, or when their heartbeat times out).
     """
     args = tyro.cli(args_class, args=argv)
     try:
         return main(args)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except (UsageError, RunError, OSError) as error:
+        code = 2 if isinstance(error, UsageError) else 1
+        print(f"error: {os_error_line(error) if isinstance(error, OSError) else error}", file=sys.stderr, flush=True)
         from cleanrl_utils import devices
 
         if devices.distributed_started():
             sys.stdout.flush()
-            os._exit(2)
-        sys.exit(2)
+            os._exit(code)
+        sys.exit(code)
 
 
 def check_run_flags(args):
     """The flags every script shares (logging, checkpoints, devices, processes): checked before JAX starts."""
     check_flags(args, positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"],
-                non_negative_ints=["checkpoint_frequency", "envpool_threads"],
-                positive=["queue_timeout", "heartbeat_timeout"], device_id_lists=["actor_device_ids", "learner_device_ids"])
+                non_negative_ints=["checkpoint_frequency"], device_id_lists=["actor_device_ids", "learner_device_ids"],
+                ranges={"seed": (0, MAX_SEED), "total_timesteps": (1, 2**53), "envpool_threads": (0, os.cpu_count()),
+                        "queue_timeout": (0.001, 3600), "heartbeat_timeout": (1, MAX_SECONDS),
+                        "num_processes": (1, 65_536), "process_id": (0, 65_535)})
+    check_name(args.run_name, "run_name")
+    check_name(args.exp_name, "exp_name")
+    if not args.distributed:
+        for name in ["coordinator_address", "num_processes", "process_id"]:
+            if getattr(args, name) is not None:
+                raise UsageError(f"{flag(name)} needs --distributed (a run of several processes)")
+    if hasattr(args, "learner_loop"):
+        check_choice("learner_loop", args.learner_loop, LEARNER_LOOPS)
     if args.resume and args.run_name is None:
         raise UsageError("--resume needs --run-name: the name of the run to continue")
     if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):

@@ -7,13 +7,13 @@ ends with all of it on disk, and `hf upload REPO_ID runs/{run_name}/hub` uploads
 
 import ast
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from cleanrl_utils.flags import UsageError
+from cleanrl_utils.run_folder import atomic_write
 
 
 def repo_name(env_id: str, exp_name: str, seed: int) -> str:
@@ -88,11 +88,11 @@ def prepare_upload_folder(folder: str | Path, model_path: str | Path, script_pat
     """The folder that is uploaded: README.md, the model, the script and replay.mp4 (if there is a video)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "README.md").write_text(card)
-    shutil.copy(model_path, folder / Path(model_path).name)
-    shutil.copy(script_path, folder / Path(script_path).name)
+    atomic_write(str(folder / "README.md"), card.encode())  # each file whole or absent, also when rewritten
+    atomic_write(str(folder / Path(model_path).name), Path(model_path).read_bytes())
+    atomic_write(str(folder / Path(script_path).name), Path(script_path).read_bytes())
     if video_path is not None:
-        shutil.copy(video_path, folder / "replay.mp4")
+        atomic_write(str(folder / "replay.mp4"), Path(video_path).read_bytes())
     return folder
 
 
@@ -129,7 +129,7 @@ def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, scr
         api = HfApi()
         if not args.hf_entity:
             repo_id = f"{api.whoami()['name']}/{name}"
-            (folder / "README.md").write_text(card(repo_id))
+            atomic_write(str(folder / "README.md"), card(repo_id).encode())
         repo_url = api.create_repo(repo_id, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=f"Cleanba {script_name}: {args.run_name}")
     except Exception as error:  # network, authentication, permissions: report, keep the files

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from cleanrl_utils.devices import distributed_started
+from cleanrl_utils.flags import RunError, UsageError, os_error_line
 from cleanrl_utils.queues import ActorThreads, RunStopped
 
 
@@ -35,6 +36,9 @@ class Preemption:
             self.stop_event.set()  # alone, stop the actors now; several processes first agree on the update
 
     def requested(self) -> bool:
+        """Whether any process received a signal; with several processes, every process must call it at the same
+        point (the learner loop calls it before each update, main once more after the loop, so a signal that
+        reached a peer during the last update still makes the run interrupted in every process)."""
         if self.world_size == 1:
             return bool(self.received)
         from jax.experimental import multihost_utils
@@ -64,7 +68,8 @@ class Preemption:
     def guard(self, actors: ActorThreads, close):
         """Around the learner loop: a stop by signal ends the loop quietly, an actor's failure is raised here with
         its traceback, and every actor thread is stopped on the way out (`close()` runs too). With jax.distributed,
-        a failure exits at once: the exit barrier would wait minutes for a peer that may be dead."""
+        a failure exits at once: the exit barrier would wait minutes for a peer that may be dead (a RunError or an
+        OSError, e.g. divergence or a full disk, as its one `error:` line, exit code 1)."""
         try:
             try:
                 yield
@@ -72,11 +77,15 @@ class Preemption:
                 actors.check()  # an actor failed: raise its error; otherwise a signal stopped the run
                 if not self.received:
                     raise
-        except BaseException:
+        except BaseException as error:
             if distributed_started():
                 actors.stop_event.set()
                 close()
-                traceback.print_exc()
+                if isinstance(error, (RunError, UsageError, OSError)):
+                    line = os_error_line(error) if isinstance(error, OSError) else error
+                    print(f"error: {line}", file=sys.stderr, flush=True)
+                else:
+                    traceback.print_exc()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(1)

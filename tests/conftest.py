@@ -87,17 +87,21 @@ def free_port() -> int:
 
 
 def start_processes(args: list[str], cwd: Path | list[Path], num_processes: int, run_name: str = "test",
-                    script: Path = PPO_SCRIPT, fault: list[str] | None = None) -> list[subprocess.Popen]:
+                    script: Path = PPO_SCRIPT, fault: list[str] | None = None,
+                    process_args: list[list[str]] | None = None, process_ids: list[int] | None = None
+                    ) -> list[subprocess.Popen]:
     """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM; `cwd` is one
-    folder for all, or one per process (hosts whose working directories differ)."""
+    folder for all, or one per process (hosts whose working directories differ); `process_args`: flags added to
+    each process's command; `process_ids`: start only these processes (the others never arrive)."""
     coordinator = f"127.0.0.1:{free_port()}"
     cwds = cwd if isinstance(cwd, list) else [cwd] * num_processes
+    process_args = process_args or [[] for _ in range(num_processes)]
     return [
-        subprocess.Popen(script_command([*args, "--distributed", "--coordinator-address", coordinator,
+        subprocess.Popen(script_command([*args, *process_args[i], "--distributed", "--coordinator-address", coordinator,
                                          "--num-processes", str(num_processes), "--process-id", str(i)],
                                         run_name, script, fault),
                          cwd=cwds[i], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(num_processes)
+        for i in (range(num_processes) if process_ids is None else process_ids)
     ]
 
 

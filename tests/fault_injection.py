@@ -1,11 +1,18 @@
 """Run a cleanba script with a fault injected, as a user's run would meet it.
 
-usage: python tests/fault_injection.py SCRIPT {env|learner|slow-checkpoint} N [script flags...]
+usage: python tests/fault_injection.py SCRIPT {env|learner|slow-checkpoint|disk-full|kill-in-rewrite} N [flags...]
   env N:             every actor's environment raises after N steps
   learner N:         the learner raises at its N-th update
   slow-checkpoint N: every checkpoint write prints "checkpoint write started: update=U" and takes N seconds longer
+  disk-full N:       after the N-th checkpoint, no file can grow (RLIMIT_FSIZE 0: every write fails in the kernel with
+                     EFBIG, as ENOSPC would on a full disk), printing "disk full now"
+  kill-in-rewrite N: SIGKILL inside the TensorBoard rewrite at start, when the first old event file is about to go
+                     (the rewritten file is in place; N is unused)
 """
 
+import os
+import resource
+import signal
 import sys
 import time
 
@@ -58,6 +65,29 @@ def main():
                 return super().save(update, *args, **kwargs)
 
         script.Checkpoints = SlowCheckpoints
+    elif fault == "disk-full":
+        class FillingCheckpoints(script.Checkpoints):
+            saved = 0
+
+            def save(self, *args, **kwargs):
+                super().save(*args, **kwargs)
+                FillingCheckpoints.saved += 1
+                if FillingCheckpoints.saved == n:
+                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+                    print("disk full now", flush=True)
+
+        script.Checkpoints = FillingCheckpoints
+    elif fault == "kill-in-rewrite":
+        remove = os.remove
+
+        def killing_remove(path, *args, **kwargs):
+            if "tfevents" in os.path.basename(path):
+                print(f"killed while removing {os.path.basename(path)}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return remove(path, *args, **kwargs)
+
+        os.remove = killing_remove
     else:
         raise SystemExit(f"unknown fault {fault!r}")
     from cleanrl_utils.flags import run_cli

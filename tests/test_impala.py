@@ -65,7 +65,7 @@ def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
     np.testing.assert_allclose([float(x) for x in ours], expected, rtol=2e-4, atol=1e-5)
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices():
+def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_loop():
     """Data parallelism must not change the math: the same global rollout, one minibatch, gives the same params.
     IMPALA's learner turns shard_map's checks off (check_vma=False), so nothing but this test checks that each
     device's gradient is summed over the devices exactly once."""
@@ -90,26 +90,28 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     )
     agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
-    results = []
-    for num_devices in [1, 2]:
+
+    def update(num_devices, learner_loop, num_minibatches=1):
         args = impala.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
-                           learner_device_ids=list(range(num_devices)), num_minibatches=1, vtrace_c_bar=0.9)
+                           learner_device_ids=list(range(num_devices)), num_minibatches=num_minibatches,
+                           vtrace_c_bar=0.9, learner_loop=learner_loop)
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = impala.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        update = impala.make_learner_fns(args, agent, mesh)
-        state, metrics, _ = update(state, global_storage, jax.random.key(1))
-        results.append((jax.device_get(state.params), jax.device_get(metrics)))
-    (params_one, metrics_one), (params_two, metrics_two) = results
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_one, params_two)
-    assert metrics_one.keys() == metrics_two.keys() == {"losses/loss", "losses/policy_loss", "losses/value_loss",
-                                                        "losses/entropy", "losses/approx_kl"}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), metrics_one, metrics_two)
-    # it did update, by far more than the tolerance: a gradient summed twice, or not summed, would show
-    change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(params_one), jax.tree.leaves(params)))
-    assert change > 1e-3, change
+        state, metrics, key = impala.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
+        assert metrics.keys() == {"losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
+                                  "losses/approx_kl"}
+        return jax.device_get((state.params, metrics, jax.random.key_data(key)))
 
+    same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+    one_device = update(1, "python")
+    same(one_device, update(2, "python"))
+    same(one_device, update(2, "scan"))  # the scan loop: one program per update, the same math
+    same(update(2, "python", num_minibatches=2), update(2, "scan", num_minibatches=2))
+    # it did update, by far more than the tolerance: a gradient summed twice, or not summed, would show
+    change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(one_device[0]), jax.tree.leaves(params)))
+    assert change > 1e-3, change
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "20", "--num-minibatches", "1",
             "--hiddens", "64", "64", "--learning-rate", "1e-3", "--actor-device-ids", "0", "--learner-device-ids", "1"]

@@ -123,8 +123,10 @@ def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
     assert "XLA_FLAGS" not in os.environ
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices():
-    """Data parallelism must not change the math: the same global batch, one minibatch, gives the same params."""
+def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_loop():
+    """Data parallelism must not change the math: the same global batch, one minibatch, gives the same params on one
+    and on two devices. The learner loop must not either: scan and python give the same update, also over
+    several epochs and minibatches."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
     from flax.training.train_state import TrainState
@@ -146,20 +148,22 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     )
     agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
-    results = []
-    for num_devices in [1, 2]:
+
+    def update(num_devices, learner_loop, num_minibatches=1, update_epochs=1):
         args = ppo.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
-                        learner_device_ids=list(range(num_devices)), num_minibatches=1, update_epochs=1,
-                        norm_adv=False)
+                        learner_device_ids=list(range(num_devices)), num_minibatches=num_minibatches,
+                        update_epochs=update_epochs, norm_adv=False, learner_loop=learner_loop)
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = ppo.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        update = ppo.make_learner_fns(args, agent, mesh)
-        state, metrics, _ = update(state, global_storage, jax.random.key(1))
-        results.append((jax.device_get(state.params), jax.device_get(metrics)))
-    (params_one, metrics_one), (params_two, metrics_two) = results
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params_one, params_two)
-    assert metrics_one.keys() == metrics_two.keys() and "losses/policy_loss" in metrics_one
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), metrics_one, metrics_two)
-    assert not np.allclose(jax.tree.leaves(params_one)[0], jax.tree.leaves(params)[0])  # it did update
+        state, metrics, key = ppo.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
+        assert "losses/policy_loss" in metrics
+        return jax.device_get((state.params, metrics, jax.random.key_data(key)))
+
+    same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+    one_device = update(1, "python")
+    same(one_device, update(2, "python"))
+    same(one_device, update(2, "scan"))
+    same(update(2, "python", num_minibatches=2, update_epochs=2), update(2, "scan", num_minibatches=2, update_epochs=2))
+    assert not np.allclose(jax.tree.leaves(one_device[0])[0], jax.tree.leaves(params)[0])  # it did update

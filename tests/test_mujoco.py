@@ -88,7 +88,7 @@ def test_statistics_inside_shard_map_are_those_of_the_whole_batch_on_every_devic
     assert result.count[0] == weights.sum()
 
 
-def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
+def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices_and_with_either_loop():
     T, N, obs_dim, action_dim = 8, 4, 3, 2
     rng = np.random.default_rng(0)
     raw_obs = rng.normal(2.0, 3.0, size=(T, N, obs_dim)).astype(np.float32)
@@ -109,21 +109,27 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
     agent = mujoco.Agent(action_dim=action_dim, hiddens=(8,))
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
     initial = jax.tree.map(np.float32, mujoco.RunningMeanStd(np.zeros(obs_dim), np.ones(obs_dim), 1e-4))
-    results = []
-    for num_devices in [1, 2]:
-        args = mujoco.Args(num_steps=T, local_num_envs=N, num_actor_threads=1, num_minibatches=1, update_epochs=1,
-                           learner_device_ids=list(range(num_devices)), norm_adv=False)
+
+    def update(num_devices, learner_loop, num_minibatches=1, update_epochs=1):
+        args = mujoco.Args(num_steps=T, local_num_envs=N, num_actor_threads=1, num_minibatches=num_minibatches,
+                           update_epochs=update_epochs, learner_device_ids=list(range(num_devices)), norm_adv=False,
+                           learner_loop=learner_loop)
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         state = mujoco.AgentState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), obs_rms=initial,
                                          return_rms=jax.tree.map(np.float32, mujoco.RunningMeanStd(0.0, 1.0, 1e-4)))
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = mujoco.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics, _ = mujoco.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
+        state, metrics, key = mujoco.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
         assert set(metrics) == {"losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
                                 "losses/approx_kl"}
-        results.append(jax.device_get((state.params, state.obs_rms, state.return_rms, metrics)))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *results)
-    _, obs_rms, return_rms, _ = results[1]
+        return jax.device_get((state.params, state.obs_rms, state.return_rms, metrics, jax.random.key_data(key)))
+
+    same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
+    results = [update(1, "python"), update(2, "python"), update(2, "scan")]
+    same(results[0], results[1])
+    same(results[0], results[2])
+    same(update(2, "python", num_minibatches=2, update_epochs=2), update(2, "scan", num_minibatches=2, update_epochs=2))
+    _, obs_rms, return_rms, _, _ = results[1]
     # the statistics now include the whole global rollout: every observation, the returns of valid steps
     assert float(obs_rms.count) == pytest.approx(T * N + 1e-4)
     np.testing.assert_allclose(obs_rms.mean, raw_obs.reshape(-1, obs_dim).mean(0), rtol=1e-3)
@@ -249,8 +255,8 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),  # continuous, but not MuJoCo
     (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
     (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
-    (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct non-negative device ids"),
-    (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct non-negative device ids"),
+    (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
+    (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct device ids in [0, 63]"),
     (["--learner-device-ids", "0", "7"], "--learner-device-ids [0, 7] out of range: this process has 4"),
     (["--hiddens", "64", "0"], "--hiddens must be one or more positive integers"),
     (["--local-num-envs", "3", "--learner-device-ids", "0", "1"], "--local-num-envs (3) must be divisible"),

@@ -14,7 +14,7 @@ import pytest
 import tyro
 
 from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
-from cleanrl_utils.devices import device_layout, replicate
+from cleanrl_utils.devices import device_layout, learner_loop, replicate
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, computation_flags, run_cli, settable_flags
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
@@ -69,7 +69,7 @@ def test_check_flags_names_the_flag_and_what_is_allowed():
 
     cases = [({"n": 0}, "--n must be a positive integer, got 0"), ({"lr": float("nan")}, "--lr must be positive and finite"),
              ({"lr": float("inf")}, "--lr must be positive and finite"), ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
-             ({"ids": [1, 1]}, "--ids must be one or more distinct non-negative device ids")]
+             ({"ids": [1, 1]}, "--ids must be one or more distinct device ids in [0, 63]")]
     for values, message in cases:
         with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
             check_flags(Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"],
@@ -210,6 +210,18 @@ def test_device_layout_and_out_of_range_ids():
     assert layout.mesh.shape == {"batch": 2}
     with pytest.raises(UsageError, match=r"--learner-device-ids \[0, 7\] out of range: this process has 4 cpu device"):
         device_layout(dataclasses.replace(_layout_args(), learner_device_ids=[0, 7]))
+
+
+def test_learner_loop_auto_is_python_on_cpu_and_a_flag_overrides_it():
+    from types import SimpleNamespace
+
+    cpu_mesh = device_layout(_layout_args()).mesh
+    assert learner_loop("auto", cpu_mesh) == "python"
+    assert learner_loop("scan", cpu_mesh) == "scan" and learner_loop("python", cpu_mesh) == "python"
+    gpu_mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))  # as Mesh.devices holds them
+    assert learner_loop("auto", gpu_mesh) == "scan"
+    with pytest.raises(UsageError, match="--learner-loop must be one of auto, scan, python, got 'jit'"):
+        learner_loop("jit", cpu_mesh)
 
 
 def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):

@@ -259,10 +259,11 @@ def save_model(args, script: str | os.PathLike, contents: dict) -> str:
     it), its flags and `contents` (params, and whatever else its make_eval_policy reads)."""
     import flax.serialization
 
+    from cleanrl_utils.run_folder import atomic_write
+
     model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
-    with open(model_path, "wb") as f:
-        f.write(flax.serialization.msgpack_serialize(
-            {"script": Path(script).stem, "args": json.dumps(dataclasses.asdict(args)), **contents}))
+    atomic_write(model_path, flax.serialization.msgpack_serialize(  # whole or absent, never half a model
+        {"script": Path(script).stem, "args": json.dumps(dataclasses.asdict(args)), **contents}))
     print(f"model saved to {model_path}", flush=True)
     return model_path
 

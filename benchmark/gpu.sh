@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Sebulba on one GPU: Atari throughput against the environment ceiling, loop vs scan learner, a learning curve.
+#
+#   (a) ceiling     envpool Breakout-v5 alone with random actions on all cores (benchmark/env_ceiling.py): 2 pools x
+#                   64 envs (Cleanba's 2 actor threads) and 1 pool x 128 envs
+#   (b) throughput  PPO and IMPALA on Breakout-v5, default IMPALA CNN and Cleanba's default sizes (2 actor threads x
+#                   64 envs, PPO 128 steps, IMPALA 20 steps), actor and learner on GPU 0 (a0-l0): the stages alone
+#                   and the script's steady SPS (benchmark/throughput.py), peak GPU memory
+#   (d) loops       each of (b) with --learner-loop scan and python (the learner stage is the comparison)
+#   (c) curve       PPO Breakout-v5 with the defaults for CURVE_SECONDS (600) of wall time, stopped with SIGTERM (the
+#                   script checkpoints and exits 143), then static/gpu_breakout_ppo.png against a random policy
+#
+# usage (repository root, on a machine with an NVIDIA GPU):
+#   bash benchmark/gpu.sh [results folder] [sections...]     default: benchmark/results, all of: ceiling throughput curve
+# PY picks the interpreter (default: uv with the CUDA extra). Results: gpu_env_ceiling.jsonl, gpu_throughput.jsonl
+# (one JSON line per config, markdown table printed), gpu_curve.txt; the runs stay in runs/.
+set -uo pipefail
+out=${1:-benchmark/results}
+shift || true
+sections=${*:-ceiling throughput curve}
+PY=${PY:-uv run --extra cuda12 python}
+CURVE_SECONDS=${CURVE_SECONDS:-600}
+mkdir -p "$out"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the harness and the run it starts share the GPU; memory as used
+status=0
+step() { echo "== $*"; "$@" || { echo "!! failed ($?): $*"; status=1; }; }
+GPU0="--actor-device-ids 0 --learner-device-ids 0"
+
+for section in $sections; do
+  case $section in
+  ceiling)
+    step $PY benchmark/env_ceiling.py --env-id Breakout-v5 --num-envs 64 --pools 2 --json "$out/gpu_env_ceiling.jsonl"
+    step $PY benchmark/env_ceiling.py --env-id Breakout-v5 --num-envs 128 --pools 1 --envpool-threads "$(nproc)" \
+      --json "$out/gpu_env_ceiling.jsonl"
+    ;;
+  throughput)
+    for algorithm in ppo impala; do
+      for loop in scan python; do
+        step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
+          --json "$out/gpu_throughput.jsonl" --repeats 3 --stage-rollouts 2 --full-repeats 1 --full-updates 25 \
+          -- --env-id Breakout-v5 $GPU0 --learner-loop $loop
+      done
+    done
+    step $PY benchmark/throughput.py --summarize "$out/gpu_throughput.jsonl"
+    ;;
+  curve)
+    echo "== PPO Breakout-v5 for ${CURVE_SECONDS}s"
+    timeout --preserve-status -s TERM "$CURVE_SECONDS" $PY cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py --env-id Breakout-v5 \
+      $GPU0 --run-name gpu_breakout_ppo --exp-name gpu_breakout_ppo --log-frequency 10 --checkpoint-frequency 0 \
+      --total-timesteps 50000000 2>&1 | tee "$out/gpu_curve.txt" | grep -E "^update=(1|[0-9]*0)/|error" | tail -40
+    code=${PIPESTATUS[0]}
+    [ "$code" -eq 0 ] || [ "$code" -eq 143 ] || { echo "!! curve run failed ($code)"; status=1; }
+    # random policy on Breakout: 1.7 (Mnih et al. 2015, Nature DQN, Extended Data Table 2)
+    step $PY benchmark/plot.py curves --runs runs/gpu_breakout_ppo --labels "Sebulba PPO, a0-l0" \
+      --tags charts/avg_episodic_return charts/SPS --references "random policy=1.7" \
+      --title "Breakout-v5, PPO on 1 GPU (${CURVE_SECONDS} s)" --output static/gpu_breakout_ppo.png
+    cp static/gpu_breakout_ppo.png "$out/" 2>/dev/null || true
+    ;;
+  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve)" >&2; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,375 @@
+"""Every promise under faults and bad input: no hang, no lost or silently wrong run (see README, "Reliability").
+
+Faults are injected as a user's run meets them (tests/fault_injection.py, signals, a held lock, corrupted files);
+the cheap checks call the script's main() in this process, the others run it as a subprocess.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import pytest
+
+from cleanrl_utils.flags import UsageError, run_cli, settable_flags
+from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars, script_command, script_env,
+                      start_processes, wait_for_line)
+
+# 1 actor thread x 4 envs x 32 steps = 128 steps per update
+CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
+            "--num-actor-threads", "1", "--log-frequency", "1"]
+DISTRIBUTED = [*CARTPOLE, "--actor-device-ids", "0", "--learner-device-ids", "1"]
+SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT}
+
+
+def start(flags, cwd, run_name="run", fault=None):
+    return subprocess.Popen(script_command(flags, run_name, fault=fault), cwd=cwd, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run(flags, cwd, run_name="run", fault=None, timeout=180):
+    process = start(flags, cwd, run_name, fault)
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def finish(processes, timeout=120):
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    return [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+
+
+# ---------------------------------------------------------------- flags: every numeric flag has a checked range
+
+
+def bad_values(value):
+    """Values outside any sane range of a flag of this type: one of them must be refused."""
+    if isinstance(value, list):
+        return [[-1], [10**9]]
+    if isinstance(value, float):
+        return [float("nan"), float("inf"), -1.0]
+    return [-1, 2**62]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_numeric_flag_has_a_checked_range_in_its_help_line(name):
+    script = load_script(SCRIPTS[name])
+    source = SCRIPTS[name].read_text()
+    hints = typing.get_type_hints(script.Args)
+    for flag_name, value in settable_flags(script.Args()).items():
+        hint = str(hints[flag_name])
+        if not any(kind in hint for kind in ("int", "float")) or isinstance(value, bool):
+            continue
+        help_line = re.search(rf'\n    {flag_name}: [^\n]*\n    """(.*?)"""', source, re.S).group(1)
+        assert re.search(r"positive|non-negative|in \[|in \(", help_line), f"{flag_name}: help names no range"
+        refused = []
+        for bad in bad_values(value if value is not None else 1):
+            args = script.Args(**{flag_name: bad})
+            try:
+                script.validate_args(args)
+            except UsageError as error:
+                refused.append(str(error).startswith(f"--{flag_name.replace('_', '-')}"))
+        assert any(refused), f"--{flag_name}: no out-of-range value refused"
+
+
+# ---------------------------------------------------------------- run folder: names, lock, atomic rewrite
+
+
+def test_a_live_runs_folder_is_locked(tmp_path, monkeypatch, capsys):
+    """A second run with the same --run-name stops at once with one line; the first (here a process holding the
+    lock as a live run does) is untouched."""
+    (tmp_path / "runs" / "twin").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open('runs/twin/.lock', 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); f.write('process 1 on host\\n'); f.flush(); "
+                               "print('locked', flush=True); time.sleep(60)"], cwd=tmp_path, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        ppo = load_script()
+        monkeypatch.chdir(tmp_path)
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(ppo.main, ppo.Args, [*CARTPOLE, "--run-name", "twin"])
+        assert exit_info.value.code == 2
+        errors = error_lines(capsys.readouterr().err)
+        assert errors == ["error: --run-name: runs/twin is in use by a live run (process 1 on host); wait for it to "
+                          "end or choose another --run-name"], errors
+    finally:
+        holder.kill()
+        holder.communicate()
+    assert sorted(p.name for p in (tmp_path / "runs" / "twin").iterdir()) == [".lock"]
+
+
+def test_a_kill_inside_the_tensorboard_rewrite_loses_and_duplicates_no_step(tmp_path):
+    """Run, SIGKILL, resume killed inside the rewrite of the event files (the rewritten file is in place, the old
+    one not yet removed), resume to the end: every update's scalars once (the rewrite rolls forward from its
+    journal)."""
+    flags = [*CARTPOLE, "--total-timesteps", str(12 * 128), "--checkpoint-frequency", "3"]
+    process = start(flags, tmp_path)
+    try:
+        wait_for_line(process, "update=5/")  # checkpoint 3; the event file holds updates 1..5
+    finally:
+        process.kill()
+        process.communicate()
+    returncode, out, _ = run(flags, tmp_path, fault=["kill-in-rewrite", "0"])
+    assert returncode == -signal.SIGKILL and "killed while removing events.out.tfevents" in out, out
+    assert len(list((tmp_path / "runs" / "run").glob("events.out.tfevents.*"))) == 2  # the window: 1..3 and 1..5
+    returncode, out, err = run(flags, tmp_path)
+    assert returncode == 0, err
+    assert "resumed from checkpoint: update=3 " in out
+    scalars = read_scalars(tmp_path / "runs" / "run")
+    assert [step for step, _ in scalars["charts/SPS"]] == [128 * i for i in range(1, 13)]
+    assert [v for _, v in scalars["stats/learner_policy_version"]] == list(range(12))
+
+
+# ---------------------------------------------------------------- checkpoints: integrity, OS errors
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory) -> Path:
+    """A finished 3-update run whose checkpoint 3 the corruption tests copy and damage."""
+    folder = tmp_path_factory.mktemp("checkpointed")
+    returncode, _, err = run([*CARTPOLE, "--total-timesteps", "384"], folder)
+    assert returncode == 0, err
+    return folder / "runs" / "run" / "checkpoints"
+
+
+def largest_file(folder: Path) -> Path:
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_bytes(path: Path):
+    data = bytearray(path.read_bytes())
+    for offset in range(len(data) // 2, len(data) // 2 + 64):
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "zero-byte file", "zero-byte metadata"])
+def test_a_corrupted_checkpoint_is_one_line_naming_it(checkpointed, tmp_path, damage, monkeypatch, capsys):
+    shutil.copytree(checkpointed, tmp_path / "runs" / "run" / "checkpoints")
+    newest = tmp_path / "runs" / "run" / "checkpoints" / "3"
+    if damage == "flipped bytes":
+        flip_bytes(largest_file(newest / "state"))
+    elif damage == "zero-byte file":
+        largest_file(newest / "state").write_bytes(b"")
+    else:
+        (newest / "meta" / "metadata").write_bytes(b"")
+    ppo = load_script()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(ppo.main, ppo.Args, [*CARTPOLE, "--total-timesteps", "384", "--run-name", "run", "--resume"])
+    assert exit_info.value.code == 2
+    errors = error_lines(capsys.readouterr().err)
+    assert len(errors) == 1 and errors[0].startswith(f"error: --resume: checkpoint {newest} "), errors
+    assert errors[0].endswith("delete it to resume from an older one"), errors
+
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_resumes(tmp_path):
+    flags = [*CARTPOLE, "--total-timesteps", str(9 * 128), "--checkpoint-frequency", "3"]
+    process = start(flags, tmp_path, fault=["disk-full", "1"])  # checkpoint 3 is written, then the disk is full
+    wait_for_line(process, "disk full now")
+    full = time.time()
+    out, err = process.communicate(timeout=120)
+    print(f"full disk: exit {time.time() - full:.1f}s after the disk filled")
+    assert process.returncode == 1, err
+    errors = error_lines(err)
+    assert len(errors) == 1 and "File too large" in errors[0] and "runs/run" in errors[0], err
+    assert "Traceback" not in err
+    returncode, out, err = run(flags, tmp_path)
+    assert returncode == 0, err
+    assert "resumed from checkpoint: update=3 " in out
+
+
+def test_a_read_only_working_directory_is_one_line(tmp_path):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                             capture_output=True).returncode == 0  # root: a read-only file system
+    if not mounted:
+        read_only.chmod(0o555)  # others: a folder they may not write
+    try:
+        returncode, out, err = run([*CARTPOLE, "--total-timesteps", "384"], read_only, timeout=120)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)], check=True)
+        read_only.chmod(0o755)
+    assert returncode == 1, err
+    cause = "Read-only file system" if mounted else "Permission denied"
+    assert error_lines(err) == [f"error: cannot write runs: {cause}"], err  # the folder it could not make
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- divergence
+
+
+def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_state(tmp_path):
+    returncode, out, err = run([*CARTPOLE, "--total-timesteps", "640", "--learning-rate", "1e30", "--max-grad-norm",
+                                "1e30", "--save-model"], tmp_path)
+    assert returncode == 1, err
+    errors = error_lines(err)
+    assert len(errors) == 1 and errors[0].startswith("error: update 1 diverged"), err
+    assert "loss=nan" in errors[0] and "the last finite state is checkpoint 0" in errors[0]
+    assert "checkpoint saved: update=0 " in out and "Traceback" not in err
+    assert not list((tmp_path / "runs" / "run").glob("*.cleanrl_model"))  # never a non-finite model
+
+
+# ---------------------------------------------------------------- two processes
+
+
+def test_processes_that_disagree_on_a_flag_stop_within_60_seconds(tmp_path):
+    started = time.time()
+    results = finish(start_processes([*DISTRIBUTED, "--total-timesteps", "1280"], tmp_path, 2,
+                                     process_args=[["--hiddens", "16"], ["--hiddens", "32"]]))
+    seconds = time.time() - started
+    print(f"flag mismatch: both processes exited {seconds:.1f}s after they started")
+    for returncode, out, err in results:
+        assert returncode == 2, err
+        assert error_lines(err) == ["error: the processes disagree on --hiddens: process 0 has [16], process 1 has "
+                                    "[32]; every process of a run needs the same value"], err
+        assert "update=" not in out
+    assert seconds < 60
+
+
+def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp_path):
+    """Only process 1 of one run, only process 0 of another: each waits --heartbeat-timeout seconds, then one line."""
+    flags = [*DISTRIBUTED, "--total-timesteps", "1280", "--heartbeat-timeout", "5"]
+    started = time.time()
+    alone = [*start_processes(flags, tmp_path, 2, run_name="a", process_ids=[1]),
+             *start_processes(flags, tmp_path, 2, run_name="b", process_ids=[0])]
+    results = finish(alone)
+    seconds = time.time() - started
+    print(f"missing peer: both exited {seconds:.1f}s after they started (--heartbeat-timeout 5)")
+    for returncode, out, err in results:
+        assert returncode == 1, err
+        errors = error_lines(err)
+        assert len(errors) == 1 and errors[0].startswith(
+            "error: --distributed: not every process arrived within --heartbeat-timeout 5s"), err
+        assert "Check failure" not in err
+    assert seconds < 60
+
+
+def test_sigterm_to_process_1_stops_both_and_saves_no_model(tmp_path):
+    flags = [*DISTRIBUTED, "--total-timesteps", str(40 * 256), "--checkpoint-frequency", "0", "--save-model"]
+    processes = start_processes(flags, tmp_path, 2, run_name="pre")
+    try:
+        wait_for_line(processes[0], "update=3/")
+        processes[1].send_signal(signal.SIGTERM)
+        results = finish(processes, timeout=60)
+    finally:
+        for process in processes:
+            process.kill()
+    assert [returncode for returncode, _, _ in results] == [143, 143], results[0][2] + results[1][2]
+    stopped = [re.search(r"stopped by signal 15 after update (\d+)", out).group(1) for _, out, _ in results]
+    assert stopped[0] == stopped[1]
+    assert not list((tmp_path / "runs" / "pre").glob("*.cleanrl_model"))  # an interrupted model is never final
+    assert "model saved" not in results[0][1]
+
+
+# ---------------------------------------------------------------- the shared modules alone
+
+
+def write_events(path: Path, steps: list[int]):
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    with open(path, "wb") as file:
+        records = RecordWriter(file)
+        for step in steps:
+            value = summary_pb2.Summary.Value(tag="x", simple_value=float(path.name[-1] == "b"))
+            records.write(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=[value])).SerializeToString())
+
+
+@pytest.mark.parametrize("crash", ["none", "before the journal", "after the journal", "after the rename"])
+def test_the_event_rewrite_rolls_forward_from_any_crash(tmp_path, crash, monkeypatch):
+    from cleanrl_utils import summary_writer
+
+    class Crash(Exception):
+        pass
+
+    def crash_at(name, when):
+        real = getattr(summary_writer, name) if name != "remove" else os.remove
+        calls = []
+
+        def crashing(*args, **kwargs):
+            calls.append(args)
+            if when(calls):
+                raise Crash
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(*((summary_writer.os, "remove") if name == "remove" else (summary_writer, name)), crashing)
+
+    write_events(tmp_path / "events.out.tfevents.1.a", [1, 2, 3, 4])
+    write_events(tmp_path / "events.out.tfevents.2.b", [3, 4, 5, 6])  # steps 3, 4 again: the newer file wins
+    if crash == "before the journal":
+        crash_at("atomic_write", lambda calls: True)
+    elif crash == "after the journal":
+        crash_at("finish_rewrite", lambda calls: len(calls) == 2)  # the first call (at the start) has nothing to do
+    elif crash == "after the rename":
+        crash_at("remove", lambda calls: str(calls[-1][0]).endswith(".b"))  # .a removed, .b not yet
+    if crash == "none":
+        summary_writer.rewrite_events(str(tmp_path), keep_up_to_step=5)
+    else:
+        with pytest.raises(Crash):
+            summary_writer.rewrite_events(str(tmp_path), keep_up_to_step=5)
+    monkeypatch.undo()
+    summary_writer.finish_rewrite(str(tmp_path))  # what the next start does first
+    remaining = sorted(p.name for p in tmp_path.iterdir())
+    if crash == "before the journal":  # nothing happened: the old files as they were, the temporary file gone
+        assert remaining == ["events.out.tfevents.1.a", "events.out.tfevents.2.b"], remaining
+        return
+    assert remaining == ["events.out.tfevents.1.a.rewrite1"], remaining
+    assert read_scalars(tmp_path)["x"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0), (5, 1.0)]
+
+
+def test_run_folder_lock_name_and_atomic_write(tmp_path, monkeypatch):
+    from dataclasses import dataclass
+
+    from cleanrl_utils.run_folder import RunFolder, atomic_write
+
+    @dataclass
+    class Flags:
+        run_name: str | None = None
+        checkpoint_dir: str | None = None
+
+    monkeypatch.chdir(tmp_path)
+    first = RunFolder(Flags(), is_main_process=True, default_name="CartPole-v1__ppo__1")
+    assert re.fullmatch(r"runs/CartPole-v1__ppo__1__\d+", f"runs/{(tmp_path / 'runs').iterdir().__next__().name}")
+    mine = RunFolder(Flags("mine", "shared"), is_main_process=True, default_name="x")
+    with pytest.raises(UsageError, match=r"^--checkpoint-dir: shared is in use by a live run \(process \d+ on "):
+        RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x")
+    mine.release()
+    RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x").release()  # free again
+    with pytest.raises(UsageError, match="--run-name must be one folder name"):
+        RunFolder(Flags(), is_main_process=True, default_name="ALE/Pong")
+    first.release()
+    atomic_write("model", b"whole")
+    assert (tmp_path / "model").read_bytes() == b"whole" and sorted(os.listdir(tmp_path)) == ["model", "runs",
+                                                                                                "shared"]
+
+
+def test_all_finite_and_the_divergence_line():
+    import jax.numpy as jnp
+
+    from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+
+    state = {"w": jnp.ones(3), "count": jnp.int32(2)}
+    assert all_finite({"losses/loss": 1.0}, state)
+    assert not all_finite({"losses/loss": float("nan")}, state)
+    assert not all_finite({"losses/loss": 1.0}, {"w": jnp.array([1.0, jnp.inf]), "count": jnp.int32(2)})
+    copied = copy_state(state)
+    assert copied["w"] is not state["w"] and jnp.array_equal(copied["w"], state["w"])
+    assert str(Diverged(7, {"losses/loss": float("nan"), "losses/entropy": 0.5})) == (
+        "update 7 diverged (a loss term or the learner's state is NaN or infinite): loss=nan, entropy=0.5; the last "
+        "finite state is checkpoint 6; try a lower --learning-rate or --max-grad-norm")
