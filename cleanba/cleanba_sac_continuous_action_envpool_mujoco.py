@@ -48,11 +48,13 @@ from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
 from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
+from cleanrl_utils.run_folder import RunFolder
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
 
@@ -658,8 +660,8 @@ def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
     layout = device_layout(args)  # jax.distributed, host devices, the learner mesh over every process
     set_runtime_values(args, layout)
-    if args.run_name is None:
-        args.run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_folder = RunFolder(args, is_main_process=layout.is_main_process,  # locked: one live run per folder
+                           default_name=f"{args.env_id}__{args.exp_name}__{args.seed}")
     # the agent and learner keys are the same in every process; each actor thread folds its global index into
     # actor_key, so no two threads (or processes) sample with the same key
     random.seed(args.seed)
@@ -713,9 +715,15 @@ def main(args: Args) -> int:
             training_start = time.time()
             storage = assemble_global_rollout(per_thread_storages, layout.mesh, args.batch_size // args.num_steps)
             train = update_index > args.learning_starts_updates  # random actions' data only, so far
+            last_finite = (copy_state(agent_state), learner_key)  # checkpointed if this update diverges
             agent_state, replay, metrics, learner_key = learner.update(agent_state, replay, storage, learner_key, train)
             metrics = jax.device_get(metrics)  # waits for the update
             training_time = time.time() - training_start
+            if not all_finite(metrics, agent_state):  # NaN or inf: stop, never train on or save a wrong model
+                # with the replay as it is now (env data, finite: it holds this update's rollout too)
+                checkpoints.save(update_index - 1, (last_finite[0], replay, last_finite[1]), args,
+                                 state_summary(last_finite[0], replay))
+                raise Diverged(update_index, metrics)
             learner_policy_version += 1
             actors.check()
             if update_index < args.num_updates:
@@ -729,13 +737,11 @@ def main(args: Args) -> int:
                 "stats/rollout_queue_get_time": rollout_queue_get_time, "stats/training_time": training_time,
             }, actor_stats)
             if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
-                logger.flush()  # the update's scalars are on disk before its checkpoint
                 checkpoints.save(update_index, (agent_state, replay, learner_key), args,
                                  state_summary(agent_state, replay))
 
-    if checkpoints.latest_step() != learner_policy_version:  # the end, or the update a signal stopped at
-        checkpoints.save(learner_policy_version, (agent_state, replay, learner_key), args,
-                         state_summary(agent_state, replay))
+    preemption.requested()  # once more: a signal that reached any process in the last update counts everywhere
+    checkpoints.save(learner_policy_version, (agent_state, replay, learner_key), args, state_summary(agent_state, replay))
     checkpoints.close()
     # every process prints this: equal digests show that all learner replicas hold the same params and statistics
     print(f"process {layout.local_rank}: final {state_summary(agent_state, replay)}", flush=True)
@@ -746,6 +752,7 @@ def main(args: Args) -> int:
             "params": to_state_dict(local_value(agent_state.actor.params)),  # the policy: what evaluation needs
         })
     logger.finish()
+    run_folder.release()
     shutdown()  # jax.distributed
     # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
     return preemption.exit_code or (0 if upload_succeeded else 1)
