@@ -144,7 +144,7 @@ def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder |
     order, so a run is reproducible for a given seed and number of envs. `recorder` gets env 0's frames.
     """
     obs, _ = envs.reset()
-    num_envs = len(obs)
+    num_envs = len(next(iter(obs.values())) if isinstance(obs, dict) else obs)  # dm_control: a dict of arrays
     quota = [num_episodes // num_envs + (i < num_episodes % num_envs) for i in range(num_envs)]
     returns: list[list[float]] = [[] for _ in range(num_envs)]
     episode_returns = np.zeros(num_envs, dtype=np.float64)
