@@ -65,7 +65,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (in [0, 2**32 - 1])"""
     run_name: str | None = None
     """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
     track: RunSetting[bool] = False
@@ -77,7 +77,7 @@ class Args:
     save_model: RunSetting[bool] = False
     """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
     eval_episodes: RunSetting[int] = 10
-    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return)"""
+    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return) (positive)"""
     eval_greedy: RunSetting[bool] = False
     """with --save-model: evaluate with the most likely action instead of sampling it"""
     capture_video: RunSetting[bool] = False
@@ -87,11 +87,11 @@ class Args:
     hf_entity: RunSetting[str | None] = None
     """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's user)"""
     log_frequency: RunSetting[int] = 10
-    """print a console line every this many updates (TensorBoard gets every update)"""
+    """print a console line every this many updates (TensorBoard gets every update) (positive)"""
     checkpoint_frequency: RunSetting[int] = 100
-    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT)"""
+    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT; non-negative)"""
     checkpoint_keep: RunSetting[int] = 3
-    """how many of the newest checkpoints to keep"""
+    """how many of the newest checkpoints to keep (positive)"""
     checkpoint_dir: RunSetting[str | None] = None
     """the checkpoints' folder (default: runs/{run_name}/checkpoints); with --distributed, one folder that every
     process sees (a shared file system): checked at start"""
@@ -103,44 +103,45 @@ class Args:
     """the id of the environment: an envpool continuous-action id: MuJoCo (HalfCheetah-v4, Hopper-v4, ...),
     dm_control (CheetahRun-v1, WalkerWalk-v1, ...) or Pendulum-v1"""
     total_timesteps: int = 1_000_000
-    """total timesteps of the experiments (agent steps, summed over all envs and processes; CleanRL: 1M)"""
+    """total timesteps of the experiments (agent steps, summed over all envs and processes; CleanRL: 1M) (positive)"""
     buffer_size: int = 1_000_000
     """the replay buffer's capacity in transitions, over all learner devices (CleanRL's sac_continuous_action: 1e6,
-    SAC paper Table 1: 1e6)"""
+    SAC paper Table 1: 1e6) (positive, at least --minibatch-size)"""
     minibatch_size: int = 256
-    """the transitions of each gradient step, over all learner devices (SAC paper Table 1, CleanRL: 256)"""
+    """the transitions of each gradient step, over all learner devices (SAC paper Table 1, CleanRL: 256) (positive)"""
     replay_ratio: float = 1.0
-    """gradient steps per env step (SAC paper Table 1 and CleanRL: 1 gradient step per env step)"""
+    """gradient steps per env step (SAC paper Table 1 and CleanRL: 1 gradient step per env step) (positive, finite)"""
     learning_starts: int = 5000
-    """env steps of uniformly random actions before learning starts (CleanRL: 5e3)"""
+    """env steps of uniformly random actions before learning starts (CleanRL: 5e3) (non-negative)"""
     policy_lr: float = 3e-4
-    """the learning rate of the policy and of the entropy temperature (SAC paper Table 1, CleanRL: 3e-4)"""
+    """the learning rate of the policy and of the entropy temperature (SAC paper Table 1, CleanRL: 3e-4) (positive, finite)"""
     q_lr: float = 1e-3
-    """the learning rate of the Q networks (CleanRL's sac_continuous_action: 1e-3)"""
+    """the learning rate of the Q networks (CleanRL's sac_continuous_action: 1e-3) (positive, finite)"""
     local_num_envs: int = 4
-    """the number of parallel game environments of each actor thread"""
+    """the number of parallel game environments of each actor thread (positive)"""
     num_actor_threads: int = 2
-    """the number of actor threads on each actor device"""
+    """the number of actor threads on each actor device (positive)"""
     envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads)"""
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in [0, this machine's cores])"""
     num_steps: int = 32
-    """the number of steps of each rollout: 2 threads x 4 envs x 32 steps = 256 env steps per learner update"""
+    """the number of steps of each rollout: 2 threads x 4 envs x 32 steps = 256 env steps per learner update (positive)"""
     gamma: float = 0.99
-    """the discount factor gamma (SAC paper Table 1, CleanRL: 0.99)"""
+    """the discount factor gamma (SAC paper Table 1, CleanRL: 0.99) (in [0, 1])"""
     tau: float = 0.005
-    """the target networks' Polyak averaging coefficient, every gradient step (SAC paper Table 1, CleanRL: 0.005)"""
+    """the target networks' Polyak averaging coefficient, every gradient step (SAC paper Table 1, CleanRL: 0.005) (in [0, 1])"""
     autotune: bool = True
     """automatic entropy tuning towards the target entropy -|A| (SAC applications paper Sec. 5; CleanRL: on)"""
     alpha: float = 0.2
-    """the entropy temperature without --autotune (CleanRL: 0.2); with it, the start is 1 (log alpha 0, as CleanRL)"""
+    """the entropy temperature without --autotune (CleanRL: 0.2); with it, the start is 1 (log alpha 0, as CleanRL) (non-negative, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [256, 256])
-    """the hidden layers of the policy and of each Q MLP (SAC paper Table 1, CleanRL: two ReLU layers of 256)"""
+    """the hidden layers of the policy and of each Q MLP (SAC paper Table 1, CleanRL: two ReLU layers of 256;
+    positive integers)"""
 
     # Sebulba: devices, threads, processes
     actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids that actor threads run inference on"""
+    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
     learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids the data-parallel learner runs on (in every process)"""
+    """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
     concurrency: bool = True
     """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
     distributed: RunSetting[bool] = False
@@ -148,13 +149,14 @@ class Args:
     coordinator_address: RunSetting[str | None] = None
     """with --distributed outside SLURM: host:port of process 0"""
     num_processes: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the number of processes"""
+    """with --distributed outside SLURM: the number of processes (in [1, 65536])"""
     process_id: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the id of this process, 0 .. num_processes-1"""
+    """with --distributed outside SLURM: the id of this process, in [0, num_processes)"""
     heartbeat_timeout: RunSetting[int] = 30
-    """with --distributed: seconds without a heartbeat after which a process counts as dead"""
+    """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
+    wait for every process to start (in [1, 86400])"""
     queue_timeout: RunSetting[float] = 1.0
-    """seconds between checks for a stopped run while waiting on a queue"""
+    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
 
     # derived by main (set_runtime_values), not flags
     local_batch_size: int = field(init=False, default=0)

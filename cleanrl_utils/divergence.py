@@ -16,8 +16,8 @@ class Diverged(RunError):
     def __init__(self, update: int, metrics: dict):
         terms = ", ".join(f"{name.split('/')[-1]}={float(value):.4g}" for name, value in metrics.items())
         super().__init__(f"update {update} diverged (a loss term or the learner's state is NaN or infinite): {terms}; "
-                         f"the last finite state is checkpoint {update - 1}; try a lower --learning-rate or "
-                         "--max-grad-norm")
+                         f"the last finite state is checkpoint {update - 1}; try lower learning rates (or a "
+                         "gradient clip, where the script has one)")
 
 
 def copy_state(tree):

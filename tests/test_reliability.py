@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from cleanrl_utils.flags import UsageError, run_cli, settable_flags
-from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars, script_command, script_env,
+from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, SAC_SCRIPT, load_script, read_scalars, script_command, script_env,
                       start_processes, wait_for_line)
 
 # 1 actor thread x 4 envs x 32 steps = 128 steps per update
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
             "--num-actor-threads", "1", "--log-frequency", "1"]
 DISTRIBUTED = [*CARTPOLE, "--actor-device-ids", "0", "--learner-device-ids", "1"]
-SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT}
+SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT, "sac": SAC_SCRIPT}
 
 
 def start(flags, cwd, run_name="run", fault=None):
@@ -372,4 +372,4 @@ def test_all_finite_and_the_divergence_line():
     assert copied["w"] is not state["w"] and jnp.array_equal(copied["w"], state["w"])
     assert str(Diverged(7, {"losses/loss": float("nan"), "losses/entropy": 0.5})) == (
         "update 7 diverged (a loss term or the learner's state is NaN or infinite): loss=nan, entropy=0.5; the last "
-        "finite state is checkpoint 6; try a lower --learning-rate or --max-grad-norm")
+        "finite state is checkpoint 6; try lower learning rates (or a gradient clip, where the script has one)")

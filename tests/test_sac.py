@@ -14,9 +14,8 @@ import scipy.stats
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
+from conftest import REPO, SAC_SCRIPT, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
 
-SAC_SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py"
 sac = load_script(SAC_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
