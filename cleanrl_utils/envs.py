@@ -140,3 +140,27 @@ def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None 
     envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
                         num_threads=num_threads, **FAMILIES[env_family(env_id)].options)
     return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
+
+
+def random_policy_return(env_id: str, episodes: int, seed: int = 123) -> float:
+    """The mean return of uniformly random actions over `episodes` whole episodes: the baseline a learning
+    result is compared with (tests, benchmark/seed_envs.sh)."""
+    envs, rng = make_envpool(env_id, seed=seed, num_envs=8), np.random.default_rng(seed)
+    envs.reset()
+    space, returns, episode_return = envs.action_space, [], np.zeros(8)
+    while len(returns) < episodes:
+        actions = (rng.integers(space.n, size=8) if hasattr(space, "n")
+                   else rng.uniform(space.low, space.high, size=(8, *space.shape)))
+        _, reward, terminated, truncated, _ = envs.step(actions)
+        episode_return += reward
+        for i in np.flatnonzero(terminated | truncated):
+            returns.append(episode_return[i])
+            episode_return[i] = 0
+    return float(np.mean(returns[:episodes]))
+
+
+if __name__ == "__main__":  # python -m cleanrl_utils.envs ENV_ID EPISODES: print the random policy's mean return
+    import sys
+
+    print(f"{sys.argv[1]} random policy: {random_policy_return(sys.argv[1], int(sys.argv[2])):.3f} "
+          f"over {sys.argv[2]} episodes")

@@ -104,19 +104,6 @@ def test_a_family_that_cannot_start_says_what_to_install(monkeypatch):
         env_families.check_env_id("BigfishEasy-v0", discrete=True)
 
 
-def random_policy_return(env_id: str, episodes: int) -> float:
-    envs = env_families.make_envpool(env_id, seed=123, num_envs=8)
-    envs.reset()
-    rng, returns, episode_return = np.random.default_rng(0), [], np.zeros(8)
-    while len(returns) < episodes:
-        _, reward, terminated, truncated, _ = envs.step(rng.integers(envs.action_space.n, size=8))
-        episode_return += reward
-        for i in np.flatnonzero(terminated | truncated):
-            returns.append(episode_return[i])
-            episode_return[i] = 0
-    return float(np.mean(returns))
-
-
 def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     # rl-starter-files' PPO settings for MiniGrid (lr 1e-3, 4 epochs, gamma 0.99); 60k steps, ~30 s on CPU.
     # Reaching the goal pays 1 - 0.9 * steps / 100 (MiniGrid), so the best return is ~0.95; random play ~0.2.
@@ -126,5 +113,5 @@ def test_ppo_learns_minigrid_empty_5x5(tmp_path):
                       "--save-model", "--eval-episodes", "16"], tmp_path, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     trained = np.mean([v for _, v in run.scalars()["eval/episodic_return"]])
-    random = random_policy_return("MiniGrid-Empty-5x5-v0", episodes=200)
+    random = env_families.random_policy_return("MiniGrid-Empty-5x5-v0", episodes=200)
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
