@@ -246,7 +246,7 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     run = run_script(["--env-id", "CartPole-v1"], workdir, script=MUJOCO_SCRIPT, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip() == (
-        "error: --env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of MuJoCo (gym) "
+        "error: --env-id 'CartPole-v1' is not supported: use an envpool id of MuJoCo (gym) "
         "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1)")
     assert not (workdir / "runs").exists()
 
