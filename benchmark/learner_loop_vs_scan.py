@@ -46,7 +46,7 @@ def main():
         np.ones(samples, bool),  # valid
     )
     batch = jax.tree.map(jnp.asarray, batch)
-    agent = ppo.Agent(action_dim=4, channels=(16, 32, 32), hiddens=(256,), image_obs=True)
+    agent = ppo.Agent(action_dim=4, channels=(16, 32, 32), hiddens=(256,), obs_layout="chw")
     params = jax.device_get(agent.init(jax.random.key(0), batch[0][:1]))
     tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(2.5e-4, eps=1e-5))
 

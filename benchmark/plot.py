@@ -9,6 +9,8 @@
         --references "CleanRL at 1M steps=1442.64" --title "HalfCheetah-v4, 2-core CPU" --output static/curve.png
     # throughput: one bar per experiment (device layout), the final charts/SPS, mean and min..max over seeds
     uv run python benchmark/plot.py sps --env-id CartPole-v1 --exp-names sps_a0-l0 sps_a0-l1 --output static/sps.png
+    # one panel per run (one env family each), with each env's random-policy return as a dashed line
+    uv run python benchmark/plot.py panels --runs runs/a runs/b --labels A B --baselines 0.2 0.9 --output static/f.png
 
 Runs are found by their default name {env_id}__{exp_name}__{seed}__{unix time}; for a seed run more than
 once, the newest run counts. Wall time counts from the run's first event (written when the run starts
@@ -66,6 +68,21 @@ class Sps:
     labels: list[str] = field(default_factory=list)
     """bar names (default: the exp names)"""
     runs_dir: str = "runs"
+    hardware: str = HARDWARE
+
+
+@dataclass
+class Panels:
+    """One panel per run (different envs, e.g. one per env family): its return against env steps, with a dashed
+    line at the baseline given for it (e.g. a random policy's return)."""
+
+    runs: list[str]
+    output: str
+    labels: list[str] = field(default_factory=list)
+    """panel titles, one per run (default: the run folder names)"""
+    baselines: list[float] = field(default_factory=list)
+    """one per run: drawn as a dashed "random policy" line"""
+    title: str = ""
     hardware: str = HARDWARE
 
 
@@ -210,6 +227,29 @@ def plot_sps(args: Sps):
         print(f"| {label.replace(chr(10), ' ')} | {mean:,.0f} | {low:,.0f} - {high:,.0f} | {seeds} |")
 
 
+def plot_panels(args: Panels):
+    labels = args.labels or [Path(run).name for run in args.runs]
+    if len(labels) != len(args.runs) or (args.baselines and len(args.baselines) != len(args.runs)):
+        fail(f"--labels and --baselines need one entry per --runs entry ({len(args.runs)})")
+    figure, axes = plt.subplots(1, len(args.runs), figsize=(3.6 * len(args.runs), 3.4), squeeze=False)
+    print("| run | final return (mean of the last 5 logged) | random policy | env steps |\n|---|---|---|---|")
+    for index, (run, label, axis) in enumerate(zip(args.runs, labels, axes[0])):
+        steps, _, values = read_run(Path(run), "charts/avg_episodic_return")
+        axis.plot(steps, values, color="tab:blue", label="Sebulba agent")
+        baseline = args.baselines[index] if args.baselines else None
+        if baseline is not None:
+            axis.axhline(baseline, linestyle="--", color="tab:red", linewidth=1.2, label="random policy")
+        axis.set_title(label, fontsize=9)
+        axis.set_xlabel("environment steps")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="best", fontsize=7)
+        print(f"| {label} | {values[-5:].mean():,.3f} | {'' if baseline is None else f'{baseline:,.3f}'} | {steps[-1]:,} |")
+    axes[0][0].set_ylabel("charts/avg_episodic_return")
+    figure.suptitle(args.title or args.hardware)
+    figure.tight_layout()
+    save(figure, args.output)
+
+
 def save(figure, output: str):
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=100)
@@ -217,5 +257,5 @@ def save(figure, output: str):
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Curves | Sps)
-    plot_curves(args) if isinstance(args, Curves) else plot_sps(args)
+    args = tyro.cli(Curves | Sps | Panels)
+    {Curves: plot_curves, Sps: plot_sps, Panels: plot_panels}[type(args)](args)

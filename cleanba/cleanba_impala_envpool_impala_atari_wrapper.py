@@ -1,4 +1,5 @@
-"""Sebulba IMPALA (Espeholt et al. 2018, V-trace) for envpool Atari and classic control.
+"""Sebulba IMPALA (Espeholt et al. 2018, V-trace) for envpool's discrete-action envs (Atari,
+classic control, Football, VizDoom, MiniGrid, Procgen).
 
 One file, read top to bottom: `Args`, the env factory, the networks, the pure math (V-trace targets and
 losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
@@ -27,7 +28,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
-import envpool
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,7 @@ from cleanrl_utils.checkpoints import Checkpoints, tree_digest
 from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, learner_loop,
                                    local_value, replicate, shutdown)
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
@@ -94,8 +95,8 @@ class Args:
 
     # Algorithm specific arguments
     env_id: str = "Breakout-v5"
-    """the id of the environment: an envpool Atari id (image observations, IMPALA CNN) or a
-    classic-control id such as CartPole-v1 (vector observations, MLP torso)"""
+    """the id of an envpool env with discrete actions: Atari, classic control, Football, VizDoom, MiniGrid,
+    Procgen (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into MLPs"""
     total_timesteps: int = 50_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     learning_rate: float = 6e-4
@@ -183,11 +184,7 @@ def validate_args(args: Args):
     if not 0 < args.vtrace_c_bar <= 1:
         raise UsageError(f"--vtrace-c-bar must be in (0, 1] (V-trace's c never exceeds 1 in rlax), got "
                          f"{args.vtrace_c_bar}")
-    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
-    if env_family not in ("envpool.atari", "envpool.classic_control") or not hasattr(
-            envpool.make_spec(args.env_id).action_space, "n"):
-        raise UsageError(f"--env-id {args.env_id!r} is not supported: use an envpool Atari id (Breakout-v5, Pong-v5, "
-                         "...) or a discrete-action classic-control id (CartPole-v1, Acrobot-v1, MountainCar-v0)")
+    check_env_id(args.env_id, discrete=True)  # one line if the family is not ours or cannot start here
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -202,31 +199,10 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def is_atari(env_id: str) -> bool:
-    return envpool.registration.registry.specs[env_id][0] == "envpool.atari"
-
-
 def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
-    """envpool gymnasium envs; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
-    if is_atari(env_id):
-        return envpool.make(
-            env_id,
-            env_type="gymnasium",
-            num_envs=num_envs,
-            seed=seed,  # env i of this pool is seeded with seed + i
-            # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ, so each
-            # setting is passed explicitly:
-            episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
-            reward_clip=True,  # rewards clipped to [-1, 1]
-            noop_max=30,  # up to 30 no-op actions at the start of each episode
-            full_action_space=False,  # the minimal, game-specific action set
-            max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
-            repeat_action_probability=0.0,  # no sticky actions, as in the IMPALA paper
-            render_mode=render_mode,
-            num_threads=num_threads,
-        )
-    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
-                        num_threads=num_threads)
+    """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
+    env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
 
 
 # ---------------------------------------------------------------- networks
@@ -262,10 +238,11 @@ class ImpalaCNN(nn.Module):
 
     channels: Sequence[int]
     hiddens: Sequence[int]
+    channel_first: bool  # Atari, VizDoom, Procgen: (N, C, H, W); Football's mini map: (N, H, W, C)
 
     @nn.compact
     def __call__(self, x):
-        x = jnp.transpose(x, (0, 2, 3, 1)).astype(jnp.float32) / 255.0  # envpool: (N, stack, H, W)
+        x = (jnp.transpose(x, (0, 2, 3, 1)) if self.channel_first else x).astype(jnp.float32) / 255.0
         for channels in self.channels:
             x = ConvSequence(channels)(x)
         x = nn.relu(x)
@@ -276,7 +253,7 @@ class ImpalaCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control)."""
+    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
@@ -296,12 +273,12 @@ class Agent(nn.Module):
     action_dim: int
     channels: Sequence[int]
     hiddens: Sequence[int]
-    image_obs: bool
+    obs_layout: str  # cleanrl_utils.envs.obs_layout: "chw" or "hwc" images, or "vector"
 
     @nn.compact
     def __call__(self, obs):
-        if self.image_obs:
-            actor_hidden = critic_hidden = ImpalaCNN(self.channels, self.hiddens)(obs)
+        if self.obs_layout != "vector":
+            actor_hidden = critic_hidden = ImpalaCNN(self.channels, self.hiddens, self.obs_layout == "chw")(obs)
         else:
             actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
@@ -312,9 +289,8 @@ class Agent(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
-    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+    obs_space, action_space = env_spaces(args.env_id)
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x minibatches (IMPALA paper, Table G.1)
@@ -517,9 +493,8 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
-    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), image_obs=len(obs_space.shape) == 3)
+    obs_space, action_space = env_spaces(args.env_id)
+    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
     params = jax.tree.map(jnp.asarray, model["params"])
 
     @jax.jit

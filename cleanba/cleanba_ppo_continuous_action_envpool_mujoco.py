@@ -1,4 +1,5 @@
-"""Sebulba PPO (Hessel et al. 2021, "Podracer architectures") with a Gaussian policy for envpool MuJoCo.
+"""Sebulba PPO (Hessel et al. 2021, "Podracer architectures") with a Gaussian policy for envpool MuJoCo and
+DeepMind Control.
 
 One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation,
 losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
@@ -31,7 +32,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
-import envpool
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from cleanrl_utils.checkpoints import Checkpoints, tree_digest
 from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, learner_loop,
                                    local_value, replicate, shutdown)
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
@@ -97,7 +98,8 @@ class Args:
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v4"
-    """the id of the environment: an envpool MuJoCo id (HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, ...)"""
+    """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...) or DeepMind
+    Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env)"""
     total_timesteps: int = 1_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4
@@ -181,10 +183,7 @@ def validate_args(args: Args):
                 positive=["learning_rate", "clip_coef", "max_grad_norm"], non_negative=["ent_coef", "vf_coef"],
                 unit_interval=["gamma", "gae_lambda"],
                 positive_int_lists=["hiddens"])
-    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
-    if env_family != "envpool.mujoco.gym" or hasattr(envpool.make_spec(args.env_id).action_space, "n"):
-        raise UsageError(f"--env-id {args.env_id!r} is not supported: use an envpool MuJoCo id with continuous actions "
-                         "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
+    check_env_id(args.env_id, discrete=False)  # one line if the family is not ours or cannot start here
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -200,9 +199,9 @@ def validate_args(args: Args):
 
 
 def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
-    """envpool's MuJoCo task as it is: normalization belongs to the training loop (learned statistics)."""
-    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
-                        num_threads=num_threads)
+    """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
+    order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
 
 
 # ---------------------------------------------------------------- networks
@@ -239,8 +238,7 @@ class Agent(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
     """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
-    env_spec = envpool.make_spec(args.env_id)
-    obs_space, action_space = env_spec.observation_space, env_spec.action_space
+    obs_space, action_space = env_spaces(args.env_id)
     agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
 
     def linear_schedule(count):
@@ -537,7 +535,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
     statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
-    action_space = envpool.make_spec(args.env_id).action_space
+    action_space = env_spaces(args.env_id)[1]
     agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
     obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
     params = jax.tree.map(jnp.asarray, model["params"]), obs_rms

@@ -139,7 +139,7 @@ def test_evaluator_reproduces_the_runs_evaluation(saved_run):
 def test_eval_policy_greedy_takes_argmax_sampled_draws(script):
     module = load_script(script)
     args = module.Args(env_id="CartPole-v1", hiddens=[16])
-    agent = module.Agent(2, (), (16,), image_obs=False)
+    agent = module.Agent(2, (), (16,), obs_layout="vector")
     obs = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
     params = agent.init(jax.random.key(0), obs)
     model = {"params": flax.serialization.to_state_dict(jax.tree.map(np.asarray, params))}

@@ -88,7 +88,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_lo
         valid=rng.random((T, N)) < 0.9,
         bootstrap_obs=rng.normal(size=(1, N, obs_dim)).astype(np.float32),
     )
-    agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
+    agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
     def update(num_devices, learner_loop, num_minibatches=1):

@@ -146,7 +146,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_lo
         valid=rng.random((T, N)) < 0.9,
         bootstrap_value=rng.normal(size=(1, N)).astype(np.float32),
     )
-    agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), image_obs=False)
+    agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
     def update(num_devices, learner_loop, num_minibatches=1, update_epochs=1):

@@ -246,8 +246,8 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     run = run_script(["--env-id", "CartPole-v1"], workdir, script=MUJOCO_SCRIPT, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip() == (
-        "error: --env-id 'CartPole-v1' is not supported: use an envpool MuJoCo id with continuous actions "
-        "(HalfCheetah-v4, Hopper-v4, Walker2d-v4, Ant-v4, Humanoid-v4, ...)")
+        "error: --env-id 'CartPole-v1' is not supported: use an envpool id of MuJoCo (gym) "
+        "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1)")
     assert not (workdir / "runs").exists()
 
 

@@ -1,0 +1,166 @@
+"""envpool's env families as the training scripts see them: which ids a script accepts, the options each
+family's reference uses (passed explicitly, cited), and dict observations flattened into one vector.
+
+Every script calls `check_env_id` in validate_args (one UsageError line, before any heavy work),
+`make_envpool` in make_env, and `env_spaces` where it builds its networks; the torso follows `obs_layout`.
+"""
+
+from typing import NamedTuple
+
+import envpool
+import gymnasium
+import numpy as np
+
+from cleanrl_utils.flags import UsageError
+
+
+class Family(NamedTuple):
+    name: str
+    example_id: str
+    discrete: bool  # the action space: Discrete (PPO / IMPALA scripts) or Box (MuJoCo PPO, SAC)
+    obs_layout: str  # "chw" / "hwc" uint8 images (IMPALA CNN), or "vector" (MLP; dicts are flattened)
+    options: dict  # envpool.make keyword arguments, each from the family's reference setup
+
+
+FAMILIES = {  # envpool's registry name of the family -> how the scripts train on it
+    "envpool.atari": Family("Atari", "Breakout-v5", True, "chw", dict(
+        # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ
+        episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
+        reward_clip=True,  # rewards clipped to [-1, 1]
+        noop_max=30,  # up to 30 no-op actions at the start of each episode
+        full_action_space=False,  # the minimal, game-specific action set
+        max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
+        repeat_action_probability=0.0)),  # no sticky actions, as in the IMPALA paper
+    "envpool.classic_control": Family("classic control", "CartPole-v1", True, "vector", {}),
+    "envpool.gfootball": Family("Google Research Football", "gfootball/academy_empty_goal_close-v1", True, "hwc",
+        # SEED RL's football/env.py: the Super Mini Map (SMM, 72 x 96 x 4 planes), "scoring" rewards, action
+        # repeat 1. envpool has exactly these and no frame stacking (SEED stacks 4 SMM frames): one frame here.
+        dict(physics_steps_per_frame=10)),  # gfootball's own default, as SEED RL uses it
+    "envpool.vizdoom": Family("VizDoom", "Basic-v1", True, "chw", dict(
+        use_combined_action=True,  # Discrete over button combinations instead of a Box of buttons
+        frame_skip=4,  # Sample Factory's --env_frameskip default for Doom (Petrenko et al. 2020, Sec. 4)
+        stack_num=4,  # 4 stacked RGB frames (12 x 84 x 84): our torsos are feed-forward (no RNN)
+        img_height=84, img_width=84, episodic_life=False)),
+    "envpool.minigrid": Family("MiniGrid", "MiniGrid-Empty-5x5-v0", True, "vector",
+        # MiniGrid's own per-task settings (Chevalier-Boisvert et al. 2023: 7x7 egocentric view, max_steps
+        # per task) are envpool's per-id defaults, so nothing is overridden
+        {}),
+    "envpool.procgen": Family("Procgen", "BigfishEasy-v0", True, "chw", dict(
+        # the distribution mode is the id's Easy/Hard; Cobbe et al. 2020 train on the unrestricted level
+        # distribution for sample efficiency (num_levels=0) with all backgrounds, as the paper's benchmark
+        num_levels=0, start_level=0, use_backgrounds=True, channel_first=True)),
+    "envpool.mujoco.gym": Family("MuJoCo (gym)", "HalfCheetah-v4", False, "vector", {}),
+    "envpool.mujoco.dmc": Family("DeepMind Control", "CheetahRun-v1", False, "vector", dict(
+        # Tassa et al. 2018 (DeepMind Control Suite, Sec. 2): 1000-step episodes, rewards in [0, 1], no repeat
+        frame_skip=1, max_episode_steps=1000)),
+}
+# families that start but do not train reliably inside our multi-threaded training processes: stopped in one line
+UNRELIABLE = {"envpool.vizdoom": (
+    "envpool 1.2.5's VizDoom starts its game processes from the training process, and under JAX's threads 6 of 8 "
+    "CPU runs hung (at actor-thread start or at exit); it steps fine in a plain Python process")}
+CANNOT_START_HINTS = {"envpool.procgen": "install the Qt 5 runtime first: apt-get install libqt5gui5 (Debian/Ubuntu)"}
+DICT_OBS_SKIPPED = {"mission"}  # MiniGrid's instruction as bytes: constant per MiniGrid-* id, needs a text encoder
+
+
+def env_family(env_id: str) -> str:
+    return envpool.registration.registry.specs.get(env_id, ("",))[0]
+
+
+def check_env_id(env_id: str, *, discrete: bool):
+    """UsageError (one line naming --env-id) unless `env_id` is an envpool id of a family this kind of script
+    trains on and it can start on this machine."""
+    families = [f for f in FAMILIES.values() if f.discrete == discrete]
+    allowed = ", ".join(f"{f.name} ({f.example_id})" for f in families)
+    family = FAMILIES.get(env_family(env_id))
+    if family is None or family.discrete != discrete or env_id.startswith("BabyAI-"):
+        why = " (BabyAI's missions need a text encoder)" if env_id.startswith("BabyAI-") else ""
+        raise UsageError(f"--env-id {env_id!r} is not supported{why}: use an envpool id of {allowed}")
+    if env_family(env_id) in UNRELIABLE:
+        raise UsageError(f"--env-id {env_id!r} cannot train here: {UNRELIABLE[env_family(env_id)]}")
+    try:
+        action_space = env_spaces(env_id)[1]  # with the family's options (VizDoom's combined actions)
+    except ImportError as error:  # envpool imports a family's library on first use
+        hint = CANNOT_START_HINTS.get(env_family(env_id), "see envpool's install notes for this family")
+        raise UsageError(f"--env-id {env_id!r} cannot start here ({str(error).splitlines()[0]}): {hint}") from None
+    if hasattr(action_space, "n") != discrete:
+        raise UsageError(f"--env-id {env_id!r} is not supported ({'continuous' if discrete else 'discrete'} "
+                         f"actions): use an envpool id of {allowed}")
+
+
+def obs_layout(env_id: str) -> str:
+    return FAMILIES[env_family(env_id)].obs_layout
+
+
+def dict_obs_keys(obs_space: gymnasium.spaces.Dict) -> list[str]:
+    """The fixed order in which dict observations are concatenated: sorted keys, skipped ones left out."""
+    return sorted(key for key in obs_space.spaces if key not in DICT_OBS_SKIPPED)
+
+
+def flatten_obs(obs: dict, keys: list[str]) -> np.ndarray:
+    """(N, ...) arrays under `keys` -> one float32 (N, D) array, concatenated in the order of `keys`."""
+    return np.concatenate([np.asarray(obs[key], np.float32).reshape(len(obs[key]), -1) for key in keys], axis=1)
+
+
+def flat_obs_space(obs_space: gymnasium.spaces.Dict) -> gymnasium.spaces.Box:
+    size = sum(int(np.prod(obs_space[key].shape)) for key in dict_obs_keys(obs_space))
+    return gymnasium.spaces.Box(-np.inf, np.inf, (size,), np.float32)
+
+
+def env_spaces(env_id: str) -> tuple[gymnasium.Space, gymnasium.Space]:
+    """(observation space as the agent sees it, action space) of `env_id`, without starting envs."""
+    spec = envpool.make_spec(env_id, **FAMILIES[env_family(env_id)].options)
+    obs_space = spec.observation_space
+    if isinstance(obs_space, gymnasium.spaces.Dict):
+        obs_space = flat_obs_space(obs_space)
+    return obs_space, spec.action_space
+
+
+class FlatObsEnvs:
+    """envpool envs whose dict observations arrive as one float32 vector per env (dict_obs_keys order)."""
+
+    def __init__(self, envs):
+        self.envs, self.keys = envs, dict_obs_keys(envs.observation_space)
+        self.observation_space = flat_obs_space(envs.observation_space)
+
+    def reset(self, *args, **kwargs):
+        obs, info = self.envs.reset(*args, **kwargs)
+        return flatten_obs(obs, self.keys), info
+
+    def step(self, *args, **kwargs):
+        obs, *rest = self.envs.step(*args, **kwargs)
+        return flatten_obs(obs, self.keys), *rest
+
+    def __getattr__(self, name):  # render, close, action_space, spec, ...
+        return getattr(self.envs, name)
+
+
+def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
+    """envpool gymnasium envs with the family's options; env i of the pool is seeded with seed + i;
+    render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
+    envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
+                        num_threads=num_threads, **FAMILIES[env_family(env_id)].options)
+    return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
+
+
+def random_policy_return(env_id: str, episodes: int, seed: int = 123) -> float:
+    """The mean return of uniformly random actions over `episodes` whole episodes: the baseline a learning
+    result is compared with (tests, benchmark/seed_envs.sh)."""
+    envs, rng = make_envpool(env_id, seed=seed, num_envs=8), np.random.default_rng(seed)
+    envs.reset()
+    space, returns, episode_return = envs.action_space, [], np.zeros(8)
+    while len(returns) < episodes:
+        actions = (rng.integers(space.n, size=8) if hasattr(space, "n")
+                   else rng.uniform(space.low, space.high, size=(8, *space.shape)))
+        _, reward, terminated, truncated, _ = envs.step(actions)
+        episode_return += reward
+        for i in np.flatnonzero(terminated | truncated):
+            returns.append(episode_return[i])
+            episode_return[i] = 0
+    return float(np.mean(returns[:episodes]))
+
+
+if __name__ == "__main__":  # python -m cleanrl_utils.envs ENV_ID EPISODES: print the random policy's mean return
+    import sys
+
+    print(f"{sys.argv[1]} random policy: {random_policy_return(sys.argv[1], int(sys.argv[2])):.3f} "
+          f"over {sys.argv[2]} episodes")

@@ -1,0 +1,117 @@
+"""The env families of the seed systems (cleanrl_utils/envs.py): one tiny run per family through the script a user
+runs for it (tags, version lag, exit 0, the saved model evaluated), the one-line errors, the dict flattener, and
+learning on MiniGrid-Empty-5x5 against a random policy measured in the same test."""
+
+import gymnasium
+import numpy as np
+import pytest
+
+from cleanrl_utils import envs as env_families
+from cleanrl_utils.flags import UsageError
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, run_script
+
+TINY_IMAGE = ["--local-num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--channels", "4", "--hiddens", "16"]
+TINY_RUN = ["--num-actor-threads", "1", "--total-timesteps", "96", "--log-frequency", "1", "--save-model",
+            "--eval-episodes", "1"]
+# family -> (script, example id, tiny flags): both discrete scripts are covered, each on image families
+FAMILY_RUNS = {
+    "football": (PPO_SCRIPT, "gfootball/academy_empty_goal_close-v1", [*TINY_IMAGE, "--update-epochs", "1"]),
+    "minigrid": (IMPALA_SCRIPT, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "4", "--num-steps", "8",
+                                                          "--num-minibatches", "2", "--hiddens", "16"]),
+    "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
+    "dm_control": (MUJOCO_SCRIPT, "CartpoleBalance-v1", ["--local-num-envs", "2", "--num-steps", "16", "--hiddens",
+                                                         "8", "--num-minibatches", "2", "--update-epochs", "1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def family_run(tmp_path_factory):
+    runs = {}
+
+    def run(family):  # each family's run once per module, shared by the tests that read it
+        if family not in runs:
+            script, env_id, flags = FAMILY_RUNS[family]
+            runs[family] = run_script(["--env-id", env_id, *flags, *TINY_RUN], tmp_path_factory.mktemp(family),
+                                      script=script, timeout=240)
+        return runs[family]
+
+    return run
+
+
+@pytest.mark.parametrize("family", list(FAMILY_RUNS))
+def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
+    run = family_run(family)
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = run.scalars()
+    assert [step for step, _ in scalars["charts/SPS"]] == [32, 64, 96]
+    assert [v for _, v in scalars["stats/actor_policy_version"]] == [0, 0, 1]  # one version behind
+    assert np.all(np.isfinite([v for _, v in scalars["losses/loss"]]))
+    assert len(scalars["eval/episodic_return"]) == 1 and (run.run_dir / f"{FAMILY_RUNS[family][0].stem}.cleanrl_model").exists()
+
+
+def test_flatten_obs_concatenates_sorted_keys_as_float32():
+    space = gymnasium.spaces.Dict({"velocity": gymnasium.spaces.Box(-1, 1, (2,)), "mission": gymnasium.spaces.Box(0, 255, (5,), np.uint8),
+                                   "image": gymnasium.spaces.Box(0, 255, (2, 2, 3), np.uint8)})
+    keys = env_families.dict_obs_keys(space)
+    assert keys == ["image", "velocity"]  # sorted; MiniGrid's mission bytes are left out
+    obs = {"velocity": np.arange(4.0).reshape(2, 2), "mission": np.ones((2, 5), np.uint8),
+           "image": np.arange(24, dtype=np.uint8).reshape(2, 2, 2, 3)}
+    flat = env_families.flatten_obs(obs, keys)
+    expected = np.array([list(range(12)) + [0, 1], list(range(12, 24)) + [2, 3]], np.float32)
+    assert flat.dtype == np.float32 and np.array_equal(flat, expected)
+    assert env_families.flat_obs_space(space).shape == (14,)
+
+
+@pytest.mark.parametrize("env_id,shape", [("CheetahRun-v1", (17,)), ("MiniGrid-Empty-5x5-v0", (148,)),
+                                          ("gfootball/academy_empty_goal_close-v1", (72, 96, 4)), ("BigfishEasy-v0", (3, 64, 64))])
+def test_env_spaces_are_what_the_envs_return(env_id, shape):
+    obs_space, action_space = env_families.env_spaces(env_id)
+    envs = env_families.make_envpool(env_id, seed=0, num_envs=2)
+    obs, _ = envs.reset()
+    assert obs_space.shape == shape and obs.shape == (2, *shape) and obs.dtype == obs_space.dtype
+    obs, *_ = envs.step(np.array([action_space.sample() for _ in range(2)]))
+    assert obs.shape == (2, *shape)
+
+
+@pytest.mark.parametrize("env_id,discrete,message", [
+    ("CheetahRun-v1", True, "--env-id 'CheetahRun-v1' is not supported: use an envpool id of Atari (Breakout-v5), "),
+    ("Basic-v1", False, "--env-id 'Basic-v1' is not supported: use an envpool id of MuJoCo (gym) (HalfCheetah-v4), "
+                        "DeepMind Control (CheetahRun-v1)"),
+    ("Pendulum-v1", True, "--env-id 'Pendulum-v1' is not supported (continuous actions): use an envpool id of"),
+    ("BabyAI-GoToObj-v0", True, "--env-id 'BabyAI-GoToObj-v0' is not supported (BabyAI's missions need a text encoder)"),
+    ("Pong-v99", True, "--env-id 'Pong-v99' is not supported: use"),
+    ("Basic-v1", True, "--env-id 'Basic-v1' cannot train here: envpool 1.2.5's VizDoom starts its game processes"),
+])
+def test_unsupported_ids_are_one_line(env_id, discrete, message):
+    with pytest.raises(UsageError) as error:
+        env_families.check_env_id(env_id, discrete=discrete)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_vizdoom_options_give_discrete_combined_actions():
+    obs_space, action_space = env_families.env_spaces("Basic-v1")  # the spec only: no game process is started
+    assert obs_space.shape == (12, 84, 84) and action_space.n == 6  # 4 RGB frames; button combinations of basic.cfg
+
+
+def test_a_family_that_cannot_start_says_what_to_install(monkeypatch):
+    def missing_qt(*args, **kwargs):  # what envpool raises without the Qt 5 runtime
+        raise ImportError("EnvPool Procgen requires the system Qt 5 runtime on Linux.\nInstall the Qt5 libraries")
+
+    monkeypatch.setattr(env_families.envpool, "make_spec", missing_qt)
+    with pytest.raises(UsageError, match=r"^--env-id 'BigfishEasy-v0' cannot start here \(EnvPool Procgen requires the "
+                                         r"system Qt 5 runtime on Linux.\): install the Qt 5 runtime first: "
+                                         r"apt-get install libqt5gui5 \(Debian/Ubuntu\)$"):
+        env_families.check_env_id("BigfishEasy-v0", discrete=True)
+
+
+def test_ppo_learns_minigrid_empty_5x5(tmp_path):
+    # rl-starter-files' PPO settings for MiniGrid (lr 1e-3, 4 epochs, gamma 0.99); 60k steps, ~30 s on CPU.
+    # Reaching the goal pays 1 - 0.9 * steps / 100 (MiniGrid), so the best return is ~0.95; random play ~0.2.
+    run = run_script(["--env-id", "MiniGrid-Empty-5x5-v0", "--local-num-envs", "16", "--num-steps", "32",
+                      "--num-minibatches", "4", "--update-epochs", "4", "--learning-rate", "1e-3", "--hiddens", "64",
+                      "64", "--total-timesteps", "61440", "--num-actor-threads", "1", "--log-frequency", "10",
+                      "--save-model", "--eval-episodes", "16"], tmp_path, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    trained = np.mean([v for _, v in run.scalars()["eval/episodic_return"]])
+    random = env_families.random_policy_return("MiniGrid-Empty-5x5-v0", episodes=200)
+    assert trained > 0.8 and trained > random + 0.5, (trained, random)
