@@ -5,6 +5,7 @@ Every script calls `check_env_id` in validate_args (one UsageError line, before 
 `make_envpool` in make_env, and `env_spaces` where it builds its networks; the torso follows `obs_layout`.
 """
 
+import os
 from typing import NamedTuple
 
 import envpool
@@ -54,10 +55,11 @@ FAMILIES = {  # envpool's registry name of the family -> how the scripts train o
         # Tassa et al. 2018 (DeepMind Control Suite, Sec. 2): 1000-step episodes, rewards in [0, 1], no repeat
         frame_skip=1, max_episode_steps=1000)),
 }
-# families that start but do not train reliably inside our multi-threaded training processes: stopped in one line
-UNRELIABLE = {"envpool.vizdoom": (
-    "envpool 1.2.5's VizDoom starts its game processes from the training process, and under JAX's threads 6 of 8 "
-    "CPU runs hung (at actor-thread start or at exit); it steps fine in a plain Python process")}
+# envpool's VizDoom starts one game process per env with fork() from several of envpool's threads at once. OpenBLAS
+# (loaded with numpy) runs a fork handler that joins its worker threads, and two forks at once can join the same
+# thread twice and wait forever (seen here: 6 of 8 tiny runs hung). With one OpenBLAS thread there is nothing to
+# join; the discrete scripts set OPENBLAS_NUM_THREADS=1 before numpy loads, unless the user set it.
+FORK_SAFE_ENV = {"envpool.vizdoom": {"OPENBLAS_NUM_THREADS": "1"}}
 CANNOT_START_HINTS = {"envpool.procgen": "install the Qt 5 runtime first: apt-get install libqt5gui5 (Debian/Ubuntu)"}
 DICT_OBS_SKIPPED = {"mission"}  # MiniGrid's instruction as bytes: constant per MiniGrid-* id, needs a text encoder
 
@@ -75,8 +77,11 @@ def check_env_id(env_id: str, *, discrete: bool):
     if family is None or family.discrete != discrete or env_id.startswith("BabyAI-"):
         why = " (BabyAI's missions need a text encoder)" if env_id.startswith("BabyAI-") else ""
         raise UsageError(f"--env-id {env_id!r} is not supported{why}: use an envpool id of {allowed}")
-    if env_family(env_id) in UNRELIABLE:
-        raise UsageError(f"--env-id {env_id!r} cannot train here: {UNRELIABLE[env_family(env_id)]}")
+    for name, value in FORK_SAFE_ENV.get(env_family(env_id), {}).items():
+        if os.environ.get(name) != value:
+            raise UsageError(f"--env-id {env_id!r} needs {name}={value} in the environment (found "
+                             f"{os.environ.get(name)!r}): its game processes are forked from several threads at once, "
+                             f"and OpenBLAS's fork handler can hang then")
     try:
         action_space = env_spaces(env_id)[1]  # with the family's options (VizDoom's combined actions)
     except ImportError as error:  # envpool imports a family's library on first use

@@ -19,6 +19,7 @@ FAMILY_RUNS = {
     "minigrid": (IMPALA_SCRIPT, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "4", "--num-steps", "8",
                                                           "--num-minibatches", "2", "--hiddens", "16"]),
     "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
+    "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--update-epochs", "1"]),
     "dm_control": (MUJOCO_SCRIPT, "CartpoleBalance-v1", ["--local-num-envs", "2", "--num-steps", "16", "--hiddens",
                                                          "8", "--num-minibatches", "2", "--update-epochs", "1"]),
 }
@@ -80,12 +81,22 @@ def test_env_spaces_are_what_the_envs_return(env_id, shape):
     ("Pendulum-v1", True, "--env-id 'Pendulum-v1' is not supported (continuous actions): use an envpool id of"),
     ("BabyAI-GoToObj-v0", True, "--env-id 'BabyAI-GoToObj-v0' is not supported (BabyAI's missions need a text encoder)"),
     ("Pong-v99", True, "--env-id 'Pong-v99' is not supported: use"),
-    ("Basic-v1", True, "--env-id 'Basic-v1' cannot train here: envpool 1.2.5's VizDoom starts its game processes"),
 ])
 def test_unsupported_ids_are_one_line(env_id, discrete, message):
     with pytest.raises(UsageError) as error:
         env_families.check_env_id(env_id, discrete=discrete)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", [None, "4"])
+def test_vizdoom_needs_one_openblas_thread(monkeypatch, value):
+    # the scripts set OPENBLAS_NUM_THREADS=1 unless the user set it; another value could hang at the forks
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False) if value is None else monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
+    with pytest.raises(UsageError) as error:
+        env_families.check_env_id("Basic-v1", discrete=True)
+    assert str(error.value) == (f"--env-id 'Basic-v1' needs OPENBLAS_NUM_THREADS=1 in the environment (found {value!r}): "
+                                "its game processes are forked from several threads at once, and OpenBLAS's fork "
+                                "handler can hang then")
 
 
 def test_vizdoom_options_give_discrete_combined_actions():
