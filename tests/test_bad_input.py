@@ -87,8 +87,8 @@ def test_bad_input_is_one_clear_line(workdir, name):
 
 @pytest.mark.parametrize("flags,message", [
     (["--num-simulations", "0"], "--num-simulations must be in [1, 10000], got 0"),
-    (["--unroll-steps", "20", "--td-steps", "20", "--buffer-size", "4096"],
-     "--buffer-size (4096) must hold at least max(--num-steps, --unroll-steps + --td-steps + 1) = 41"),
+    (["--unroll-steps", "20", "--td-steps", "20", "--buffer-size", "1024"],
+     "--buffer-size (1024) must hold at least max(--num-steps, --unroll-steps + --td-steps + 1) = 41"),
 ], ids=["muzero-simulations", "muzero-unroll-longer-than-stored"])
 def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
     """MuZero's own checks as a user meets them (more cases in tests/test_muzero.py)."""
