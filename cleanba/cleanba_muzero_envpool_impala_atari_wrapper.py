@@ -36,6 +36,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
+# before numpy loads OpenBLAS: envpool's VizDoom forks its game processes from several threads at once, which
+# OpenBLAS's fork handler survives only with one thread (cleanrl_utils/envs.py, FORK_SAFE_ENV)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import flashbax
 import flax.linen as nn
 import jax
