@@ -3,7 +3,7 @@
 import pytest
 
 from cleanrl_utils.flags import run_cli
-from conftest import load_script, run_script
+from conftest import MUZERO_SCRIPT, load_script, run_script
 
 CASES = {
     "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
@@ -83,3 +83,17 @@ def test_bad_input_is_one_clear_line(workdir, name):
     assert len(error_lines) == 1 and message in error_lines[0], run.stderr
     assert "Traceback" not in run.stderr
     assert not (workdir / "runs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-simulations", "0"], "--num-simulations must be in [1, 10000], got 0"),
+    (["--unroll-steps", "20", "--td-steps", "20", "--buffer-size", "1024"],
+     "--buffer-size (1024) must hold at least max(--num-steps, --unroll-steps + --td-steps + 1) = 41"),
+], ids=["muzero-simulations", "muzero-unroll-longer-than-stored"])
+def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
+    """MuZero's own checks as a user meets them (more cases in tests/test_muzero.py)."""
+    run = run_script(["--env-id", "CartPole-v1", *flags], workdir, timeout=180, script=MUZERO_SCRIPT)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], run.stderr
+    assert "Traceback" not in run.stderr and not (workdir / "runs").exists()
