@@ -732,7 +732,10 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         Returns the new priorities of this device's sequences too."""
         sequences = minibatch.sequences._replace(**{  # time-major, as the network unrolls
             name: jnp.swapaxes(getattr(minibatch.sequences, name), 0, 1) for name in Rollout._fields[:7]})
-        weights = importance_weights(minibatch.scaled_probabilities, args.importance_exponent)
+        # flashbax's float32 sum tree can land on an empty slot (probability 0): such a sample is not learned
+        sampled = minibatch.scaled_probabilities > 0
+        weights = jnp.where(sampled, importance_weights(jnp.where(sampled, minibatch.scaled_probabilities, 1.0),
+                                                        args.importance_exponent), 0.0)
         weights = weights / jax.lax.pmax(weights.max(), "batch")  # the largest weight of the global minibatch is 1
         # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
         # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
@@ -740,7 +743,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         (loss, (abs_td, mask, taken_q)), grads = jax.value_and_grad(r2d2_loss, has_aux=True)(
             local_params, agent=agent, target_params=agent_state.target_params, sequences=sequences, weights=weights,
             normalizer=float(args.minibatch_size), burn_in=args.burn_in, gamma=args.gamma, n_step=args.n_step)
-        priorities = sequence_priorities(abs_td, mask, args.priority_eta)
+        priorities = jnp.where(sampled, sequence_priorities(abs_td, mask, args.priority_eta), 0.0)
         count = jnp.maximum(jax.lax.psum(mask.sum(), "batch"), 1)
         metrics = {"losses/td_loss": loss, "losses/q_values": jnp.where(mask, taken_q, 0.0).sum() / count,
                    "losses/abs_td": jnp.where(mask, abs_td, 0.0).sum() / count,

@@ -15,9 +15,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
+from conftest import (R2D2_SCRIPT, REPO, Run, load_script, run_script, script_command, script_env, start_processes,
+                      wait_for_line)
 
-R2D2_SCRIPT = REPO / "cleanba" / "cleanba_r2d2_envpool_impala_atari_wrapper.py"
 OBSERVATION_MASK = REPO / "tests" / "observation_mask.py"
 r2d2 = load_script(R2D2_SCRIPT)
 
@@ -298,3 +298,122 @@ def test_bad_input_is_one_clear_line(flags, message, capsys):
         r2d2.run_cli(r2d2.main, r2d2.Args, ["--env-id", "CartPole-v1", *flags])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {message}")
+
+
+# ---------------------------------------------------------------- runs of the script
+
+
+def start(flags: list[str], cwd, run_name: str, mask: str | None = None) -> subprocess.Popen:
+    """The script as a user runs it; with `mask` (e.g. "1,3") through tests/observation_mask.py."""
+    command = script_command(flags, run_name, R2D2_SCRIPT)
+    if mask:
+        command = [sys.executable, str(OBSERVATION_MASK), str(R2D2_SCRIPT), mask, *command[2:]]
+    return subprocess.Popen(command, cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def finish(process: subprocess.Popen, cwd, run_name: str, timeout: float = 300) -> Run:
+    out, err = process.communicate(timeout=timeout)
+    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+
+
+LAYOUTS = {"a0-l0": ["0"], "a0-l1": ["1"], "a0-l1,2": ["1", "2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Shared by the tests below, started a few at a time (they are small): tiny Breakout in three device layouts;
+    two same-seed CartPole runs and one stopped by SIGTERM, then two resumes of its checkpoint; a two-process run
+    whose saved (recurrent) model process 0 evaluates."""
+    workdir = tmp_path_factory.mktemp("r2d2")
+    result = {}
+    layouts = {name: start([*TINY_BREAKOUT, "--actor-device-ids", "0", "--learner-device-ids", *ids,
+                            "--total-timesteps", "384"], workdir, f"layout-{name.replace(',', '-')}")
+               for name, ids in LAYOUTS.items()}
+    try:
+        for name, process in layouts.items():
+            result[name] = finish(process, workdir, f"layout-{name.replace(',', '-')}")
+    finally:
+        for process in layouts.values():
+            process.kill()
+    flags = [*TINY, "--total-timesteps", "256", "--seed", "3"]  # 8 updates: 2 fill the replay, 6 learn
+    long = [*TINY, "--total-timesteps", "384", "--seed", "3"]  # 12 updates: SIGTERM after the 4th
+    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
+                                                                                                    "stopped")
+    try:
+        lines = wait_for_line(stopped, "update=4/")
+        stopped.send_signal(signal.SIGTERM)
+        out, err = stopped.communicate(timeout=120)
+        result["first"], result["second"] = finish(first, workdir, "first"), finish(second, workdir, "second")
+    finally:
+        for process in [first, second, stopped]:
+            process.kill()
+    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
+    copy = tmp_path_factory.mktemp("r2d2_copy")  # the same run (--run-name is a flag of the run) in another folder
+    shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
+    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
+    result["resumed"], result["resumed_again"] = finish(resumed, workdir, "stopped"), finish(resumed_again, copy,
+                                                                                              "stopped")
+    processes = start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "2"], workdir,
+                                2, run_name="two", script=R2D2_SCRIPT)
+    outputs = [process.communicate(timeout=300) for process in processes]
+    result["two"] = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+    return result
+
+
+def final_digests(out: str) -> tuple:
+    return DIGESTS.search(out.split("final ")[-1]).groups()
+
+
+TAGS = ["charts/SPS", "losses/td_loss", "losses/q_values", "losses/abs_td", "losses/priority",
+        "losses/importance_weight", "stats/gradient_steps", "stats/params_queue_get_time", "stats/rollout_time",
+        "stats/inference_time", "stats/env_step_time", "stats/storage_time", "stats/rollout_queue_put_time",
+        "stats/rollout_queue_get_time", "stats/training_time", "stats/actor_policy_version",
+        "stats/learner_policy_version"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_breakout_layouts_log_every_tag_and_act_one_version_behind(runs, layout):
+    """2 actor threads x 4 envs x 8 steps = 64 env steps per update, 6 updates, 1 gradient step each."""
+    run = runs[layout]
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = run.scalars()
+    assert not [tag for tag in TAGS if tag not in scalars]
+    assert [step for step, _ in scalars["charts/SPS"]] == [64 * i for i in range(1, 7)]
+    assert [v for _, v in scalars["stats/learner_policy_version"]] == [0, 1, 2, 3, 4, 5]
+    assert [v for _, v in scalars["stats/actor_policy_version"]] == [0, 0, 1, 2, 3, 4]  # exactly one behind
+    losses = [v for _, v in scalars["losses/td_loss"]]
+    assert np.all(np.isfinite(losses)) and len(set(losses)) > 1
+
+
+def test_same_seed_gives_identical_runs(runs):
+    first, second = runs["first"], runs["second"]
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
+    assert final_digests(first.stdout) == final_digests(second.stdout)
+    a, b = first.scalars(), second.scalars()
+    for tag in ["losses/td_loss", "losses/q_values", "losses/priority", "losses/importance_weight"]:
+        assert a[tag] == b[tag], tag
+    assert len(a["losses/td_loss"]) == 8 - 2  # 64 learning-starts steps = 2 updates that only fill the replay
+
+
+def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(runs):
+    returncode, out, err = runs["stopped"]
+    assert returncode == 143, err[-3000:]
+    saved = DIGESTS.search(re.search(r"checkpoint saved: update=(\d+).*", out).group(0)).groups()
+    for name in ["resumed", "resumed_again"]:
+        run = runs[name]
+        assert run.returncode == 0, run.stderr[-3000:]
+        restored = DIGESTS.search(re.search(r"resumed from checkpoint: .*", run.stdout).group(0)).groups()
+        assert restored == saved  # params, optimizer state and the replay with its priorities
+    # a resumed run is reproducible: the same checkpoint resumed twice ends in the same state
+    assert final_digests(runs["resumed"].stdout) == final_digests(runs["resumed_again"].stdout)
+
+
+def test_two_processes_keep_identical_params(runs):
+    (code0, out0, err0), (code1, out1, err1) = runs["two"]
+    assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
+    assert "evaluated runs/two/" in out0 and "episodic_return=" in out0  # the saved recurrent policy runs
+    params0, optimizer0, replay0 = final_digests(out0)
+    params1, optimizer1, replay1 = final_digests(out1)
+    assert (params0, optimizer0) == (params1, optimizer1), "learner replicas diverged"
+    assert replay0 != replay1  # each process keeps the replay of its own envs
