@@ -6,7 +6,7 @@
 # and with the feed-forward core. SEEDS (default "1 2 3") one after the other (runs named by --exp-name); then
 # draws static/r2d2_cartpole.png and prints each experiment's final values (the mean of its last 10 logged values)
 # of the return and of charts/SPS. Then the SPS of tiny Breakout (a 4-channel IMPALA CNN, an 8-unit LSTM; 2
-# threads x 8 envs). Holds /tmp/cleanba-bench.lock throughout, so no other benchmark of this repository runs at the
+# threads x 4 envs x 8 steps). Holds /tmp/cleanba-bench.lock throughout, so no other benchmark of this repository runs at the
 # same time.
 # usage: bash benchmark/r2d2_cartpole.sh   (from the repository root)
 set -uo pipefail
@@ -32,7 +32,9 @@ uv run python benchmark/plot.py curves --env-id CartPole-v1 --exp-names r2d2_lst
   --title "Sebulba R2D2, CartPole-v1 (2-core CPU; a0-l1, 1 thread x 16 envs, Ape-X epsilons)"
 name=bench_r2d2_breakout
 rm -rf "runs/$name"
-uv run python $S --env-id Breakout-v5 --local-num-envs 8 --num-actor-threads 2 --num-steps 32 --sequence-length 32 \
-  --burn-in 8 --channels 4 --hiddens 16 --lstm-size 8 --minibatch-size 8 --buffer-size 8192 --learning-starts 0 \
-  --replay-ratio 0.015625 --total-timesteps 20480 --log-frequency 10 --checkpoint-frequency 0 \
+# tiny Breakout as in tests/test_r2d2.py's layout runs (2 threads x 4 envs x 8 steps, sequences of 8), 60 updates: on
+# CPU the conv weight-gradients inside the gradient steps' lax.scan are slow (see "Performance")
+uv run python $S --env-id Breakout-v5 --local-num-envs 4 --num-actor-threads 2 --num-steps 8 --sequence-length 8 \
+  --burn-in 2 --channels 4 --hiddens 16 --lstm-size 8 --minibatch-size 4 --buffer-size 512 --learning-starts 0 \
+  --replay-ratio 0.015625 --total-timesteps 3840 --log-frequency 10 --checkpoint-frequency 0 \
   --actor-device-ids 0 --learner-device-ids 1 --run-name "$name" | grep "^update=" | tail -n 1
