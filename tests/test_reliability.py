@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from cleanrl_utils.flags import UsageError, run_cli, settable_flags
-from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, SAC_SCRIPT, load_script, read_scalars, script_command, script_env,
+from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, load_script, read_scalars, script_command, script_env,
                       start_processes, wait_for_line)
 
 # 1 actor thread x 4 envs x 32 steps = 128 steps per update
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
             "--num-actor-threads", "1", "--log-frequency", "1"]
 DISTRIBUTED = [*CARTPOLE, "--actor-device-ids", "0", "--learner-device-ids", "1"]
-SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT, "sac": SAC_SCRIPT, "muzero": MUZERO_SCRIPT}
+SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT, "sac": SAC_SCRIPT, "r2d2": R2D2_SCRIPT, "muzero": MUZERO_SCRIPT}
 
 
 def start(flags, cwd, run_name="run", fault=None):

@@ -153,6 +153,8 @@ def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder |
     while any(len(returns[i]) < quota[i] for i in range(num_envs)):
         actions, key = policy(obs, key)
         obs, reward, terminated, truncated, info = envs.step(np.asarray(actions))
+        if hasattr(policy, "end_episodes"):  # a recurrent policy zeroes its state after envpool's reset step
+            policy.end_episodes(np.logical_or(terminated, truncated))
         episode_returns += info.get("reward", reward)  # Atari: the unclipped score
         game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
         if recorder is not None and len(returns[0]) < quota[0]:
