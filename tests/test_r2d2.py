@@ -456,9 +456,10 @@ def early(returns: list[tuple[int, float]]) -> float:
 
 @pytest.fixture(scope="module")
 def masked_runs(tmp_path_factory):
-    """CartPole-v1 with its velocities hidden, 150k env steps: the LSTM agent and the feed-forward one, side by side."""
+    """CartPole-v1 with its velocities hidden, 120k env steps: the LSTM agent and the feed-forward one, side by side
+    (the LSTM's best 20k-step window: 277 by 100k, 380 by 120k, 435 by 150k; the feed-forward core's 44 throughout)."""
     workdir = tmp_path_factory.mktemp("r2d2_masked")
-    flags = [*CARTPOLE, "--total-timesteps", "150000"]
+    flags = [*CARTPOLE, "--total-timesteps", "120000"]
     lstm = start(flags, workdir, "lstm", mask=VELOCITIES)
     feedforward = start([*flags, "--core", "feedforward"], workdir, "feedforward", mask=VELOCITIES)
     try:
@@ -471,7 +472,7 @@ def masked_runs(tmp_path_factory):
 
 def test_memory_matters_lstm_reaches_300_on_cartpole_without_velocities(masked_runs):
     """The issue's bar: an average return of at least 300 over 20k consecutive env steps with only the cart position
-    and pole angle observed (it reaches about 450); below 50 over the first 5120 steps (near-random play)."""
+    and pole angle observed (it reaches 380 by 120k steps, about 450 by 150k); below 50 over the first 5120 steps (near-random play)."""
     returns = returns_of(masked_runs["lstm"])
     assert early(returns) < 50, returns[:10]
     assert best_window(returns, 20_000) >= 300, returns[::10]
