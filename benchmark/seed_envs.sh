@@ -29,13 +29,16 @@ run seed_envs_procgen $PPO --env-id BigfishEasy-v0 --local-num-envs 32 --num-ste
 # Football: PPO with the IMPALA CNN on one SMM frame
 run seed_envs_football $PPO --env-id gfootball/academy_empty_goal_close-v1 --local-num-envs 16 --num-steps 64 \
   --num-minibatches 4 --update-epochs 2 --channels 16 32 32 --total-timesteps 40960 --log-frequency 5
+# VizDoom: PPO with one 4-channel IMPALA CNN stage on 4 stacked RGB frames (the README's table row)
+run seed_envs_vizdoom $PPO --env-id Basic-v1 --local-num-envs 16 --num-steps 32 --num-minibatches 4 \
+  --update-epochs 2 --learning-rate 5e-4 --channels 4 --hiddens 64 --total-timesteps 40960 --log-frequency 5
 baselines=()
-for env in MiniGrid-Empty-5x5-v0 CartpoleBalance-v1 BigfishEasy-v0 gfootball/academy_empty_goal_close-v1; do
+for env in MiniGrid-Empty-5x5-v0 CartpoleBalance-v1 BigfishEasy-v0 gfootball/academy_empty_goal_close-v1 Basic-v1; do
   line=$(uv run python -m cleanrl_utils.envs "$env" 100 2>/dev/null | tail -1)
   echo "$line"
   baselines+=("$(echo "$line" | awk '{print $4}' | tr -d :)")
 done
 uv run python benchmark/plot.py panels --runs runs/seed_envs_minigrid runs/seed_envs_dmc runs/seed_envs_procgen \
-  runs/seed_envs_football --labels "MiniGrid-Empty-5x5-v0 (PPO)" "CartpoleBalance-v1 (MuJoCo PPO)" \
-  "BigfishEasy-v0 (PPO)" "academy_empty_goal_close (PPO)" --baselines "${baselines[@]}" \
+  runs/seed_envs_football runs/seed_envs_vizdoom --labels "MiniGrid-Empty-5x5-v0 (PPO)" \
+  "CartpoleBalance-v1 (MuJoCo PPO)" "BigfishEasy-v0 (PPO)" "academy_empty_goal_close (PPO)" "Basic-v1 (PPO)" --baselines "${baselines[@]}" \
   --output static/seed_envs.png --title "Seed-system env families, seed 1, 2-core CPU (JAX on CPU)"
