@@ -1,6 +1,8 @@
 """Shared helpers: run a cleanba script the way a user does (a subprocess), and read what it wrote."""
 
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -106,6 +108,53 @@ def start_processes(args: list[str], cwd: Path | list[Path], num_processes: int,
                          cwd=cwds[i], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for i in (range(num_processes) if process_ids is None else process_ids)
     ]
+
+
+def start_script(flags: list[str], cwd: Path, run_name: str, script: Path,
+                 command: list[str] | None = None) -> subprocess.Popen:
+    """The script as a user runs it, in the background; `command` (default: the user's command) replaces it."""
+    return subprocess.Popen(command or script_command(flags, run_name, script), cwd=cwd, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_script(process: subprocess.Popen, cwd: Path, run_name: str, timeout: float = 400) -> Run:
+    out, err = process.communicate(timeout=timeout)
+    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+
+
+def finish_processes(processes: list[subprocess.Popen], timeout: float = 300) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each process of a jax.distributed run; none is left running."""
+    try:
+        outputs = [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    return [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+
+
+def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[str], long: list[str]) -> dict:
+    """The runs a replay script's determinism and resume tests read, started a few at a time: "first" and "second"
+    (`flags` twice), "stopped" (`long`, SIGTERM after update 4: (exit code, stdout, stderr)), then "resumed" and
+    "resumed_again" (its checkpoint resumed in its folder and in a copy in another folder). `start(flags, cwd,
+    run_name)` starts one run."""
+    workdir = tmp_path_factory.mktemp(name)
+    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
+                                                                                                    "stopped")
+    try:
+        lines = wait_for_line(stopped, "update=4/")
+        stopped.send_signal(signal.SIGTERM)
+        out, err = stopped.communicate(timeout=120)
+        result = {"first": finish_script(first, workdir, "first"), "second": finish_script(second, workdir, "second")}
+    finally:
+        for process in [first, second, stopped]:
+            process.kill()
+    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
+    copy = tmp_path_factory.mktemp(f"{name}_copy")  # the same run (--run-name is a flag of the run) in another folder
+    shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
+    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
+    result["resumed"] = finish_script(resumed, workdir, "stopped")
+    result["resumed_again"] = finish_script(resumed_again, copy, "stopped")
+    return result
 
 
 def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:

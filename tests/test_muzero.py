@@ -3,9 +3,7 @@ independent references (value transform, n-step targets, unroll targets, losses,
 runs of the script (layouts, determinism, two processes, SIGTERM + resume, learning on CartPole-v1)."""
 
 import re
-import shutil
-import signal
-import subprocess
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import MUZERO_SCRIPT, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
+from conftest import (MUZERO_SCRIPT, finish_processes, finish_script, load_script, run_script, same_seed_and_resumed_runs,
+                      start_processes, start_script)
 
 muzero = load_script(MUZERO_SCRIPT)
 
@@ -219,14 +218,7 @@ def test_resume_marks_the_newest_stored_rows():
 # ---------------------------------------------------------------- runs of the script
 
 
-def start(flags: list[str], cwd, run_name: str) -> subprocess.Popen:
-    return subprocess.Popen(script_command(flags, run_name, MUZERO_SCRIPT), cwd=cwd, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, cwd, run_name: str) -> Run:
-    out, err = process.communicate(timeout=400)
-    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+start = partial(start_script, script=MUZERO_SCRIPT)
 
 
 @pytest.fixture(scope="module")
@@ -234,34 +226,17 @@ def runs(tmp_path_factory):
     """Shared by the tests below, started a few at a time (they are small): two same-seed CartPole runs and a run
     stopped by SIGTERM, then two resumes of its checkpoint; then tiny Breakout in the usual layouts (2 actor
     threads) and a two-process CartPole run with the saved model evaluated."""
-    workdir = tmp_path_factory.mktemp("muzero")
-    flags = [*TINY, "--total-timesteps", "256", "--seed", "3"]
-    long = [*TINY, "--total-timesteps", "384", "--seed", "3"]  # 12 updates: SIGTERM after the 4th
-    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
-                                                                                                    "stopped")
-    try:
-        lines = wait_for_line(stopped, "update=4/")
-        stopped.send_signal(signal.SIGTERM)
-        out, err = stopped.communicate(timeout=120)
-        result = {"first": finish(first, workdir, "first"), "second": finish(second, workdir, "second")}
-    finally:
-        for process in [first, second, stopped]:
-            process.kill()
-    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
-    copy = tmp_path_factory.mktemp("muzero_copy")  # the same run (--run-name is a flag of the run) in another folder
-    shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
-    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
-    result["resumed"], result["resumed_again"] = finish(resumed, workdir, "stopped"), finish(resumed_again, copy,
-                                                                                              "stopped")
+    result = same_seed_and_resumed_runs(tmp_path_factory, "muzero", start,
+                                        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],
+                                        long=[*TINY, "--total-timesteps", "384", "--seed", "3"])  # 12 updates
+    workdir = tmp_path_factory.mktemp("muzero_more")
     layouts = {"a0-l0": ["0"], "a0-l1": ["1"], "a0-l1_2": ["1", "2"]}  # a0-l1,2
     breakout = {name: start([*TINY_BREAKOUT, "--total-timesteps", "128", "--actor-device-ids", "0",
                              "--learner-device-ids", *learners, "--search", "muzero" if name == "a0-l0" else "gumbel"],
                             workdir, name) for name, learners in layouts.items()}
-    result["breakout"] = {name: finish(process, workdir, name) for name, process in breakout.items()}
-    processes = start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "1"], workdir,
-                                2, run_name="two", script=MUZERO_SCRIPT)
-    outputs = [process.communicate(timeout=400) for process in processes]
-    result["two"] = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+    result["breakout"] = {name: finish_script(process, workdir, name) for name, process in breakout.items()}
+    result["two"] = finish_processes(start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes",
+                                                      "1"], workdir, 2, run_name="two", script=MUZERO_SCRIPT), timeout=400)
     return result
 
 

@@ -3,8 +3,6 @@ references, the recurrent state, data parallelism, and runs of the script (devic
 processes, SIGTERM + resume, learning on CartPole-v1 with and without its velocities)."""
 
 import re
-import shutil
-import signal
 import subprocess
 import sys
 
@@ -15,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import (R2D2_SCRIPT, REPO, Run, load_script, run_script, script_command, script_env, start_processes,
-                      wait_for_line)
+from conftest import (R2D2_SCRIPT, REPO, Run, finish_processes, finish_script, load_script, run_script,
+                      same_seed_and_resumed_runs, script_command, start_processes, start_script)
 
 OBSERVATION_MASK = REPO / "tests" / "observation_mask.py"
 r2d2 = load_script(R2D2_SCRIPT)
@@ -307,15 +305,8 @@ def test_bad_input_is_one_clear_line(flags, message, capsys):
 def start(flags: list[str], cwd, run_name: str, mask: str | None = None) -> subprocess.Popen:
     """The script as a user runs it; with `mask` (e.g. "1,3") through tests/observation_mask.py."""
     command = script_command(flags, run_name, R2D2_SCRIPT)
-    if mask:
-        command = [sys.executable, str(OBSERVATION_MASK), str(R2D2_SCRIPT), mask, *command[2:]]
-    return subprocess.Popen(command, cwd=cwd, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def finish(process: subprocess.Popen, cwd, run_name: str, timeout: float = 300) -> Run:
-    out, err = process.communicate(timeout=timeout)
-    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+    masked = [sys.executable, str(OBSERVATION_MASK), str(R2D2_SCRIPT), mask, *command[2:]] if mask else None
+    return start_script(flags, cwd, run_name, R2D2_SCRIPT, command=masked)
 
 
 LAYOUTS = {"a0-l0": ["0"], "a0-l1": ["1"], "a0-l1,2": ["1", "2"]}
@@ -333,32 +324,16 @@ def runs(tmp_path_factory):
                for name, ids in LAYOUTS.items()}
     try:
         for name, process in layouts.items():
-            result[name] = finish(process, workdir, f"layout-{name.replace(',', '-')}")
+            result[name] = finish_script(process, workdir, f"layout-{name.replace(',', '-')}")
     finally:
         for process in layouts.values():
             process.kill()
-    flags = [*TINY, "--total-timesteps", "256", "--seed", "3"]  # 8 updates: 2 fill the replay, 6 learn
-    long = [*TINY, "--total-timesteps", "384", "--seed", "3"]  # 12 updates: SIGTERM after the 4th
-    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
-                                                                                                    "stopped")
-    try:
-        lines = wait_for_line(stopped, "update=4/")
-        stopped.send_signal(signal.SIGTERM)
-        out, err = stopped.communicate(timeout=120)
-        result["first"], result["second"] = finish(first, workdir, "first"), finish(second, workdir, "second")
-    finally:
-        for process in [first, second, stopped]:
-            process.kill()
-    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
-    copy = tmp_path_factory.mktemp("r2d2_copy")  # the same run (--run-name is a flag of the run) in another folder
-    shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
-    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
-    result["resumed"], result["resumed_again"] = finish(resumed, workdir, "stopped"), finish(resumed_again, copy,
-                                                                                              "stopped")
-    processes = start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "2"], workdir,
-                                2, run_name="two", script=R2D2_SCRIPT)
-    outputs = [process.communicate(timeout=300) for process in processes]
-    result["two"] = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+    result.update(same_seed_and_resumed_runs(
+        tmp_path_factory, "r2d2_resumed", start,
+        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],  # 8 updates: 2 fill the replay, 6 learn
+        long=[*TINY, "--total-timesteps", "384", "--seed", "3"]))  # 12 updates: SIGTERM after the 4th
+    result["two"] = finish_processes(start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes",
+                                                      "2"], workdir, 2, run_name="two", script=R2D2_SCRIPT))
     return result
 
 
@@ -463,8 +438,8 @@ def masked_runs(tmp_path_factory):
     lstm = start(flags, workdir, "lstm", mask=VELOCITIES)
     feedforward = start([*flags, "--core", "feedforward"], workdir, "feedforward", mask=VELOCITIES)
     try:
-        return {"lstm": finish(lstm, workdir, "lstm", timeout=900),
-                "feedforward": finish(feedforward, workdir, "feedforward", timeout=900)}
+        return {"lstm": finish_script(lstm, workdir, "lstm", timeout=900),
+                "feedforward": finish_script(feedforward, workdir, "feedforward", timeout=900)}
     finally:
         lstm.kill()
         feedforward.kill()

@@ -2,9 +2,7 @@
 parallelism, and runs of the script (determinism, two processes, SIGTERM + resume, learning on Pendulum-v1)."""
 
 import re
-import shutil
-import signal
-import subprocess
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +12,8 @@ import scipy.stats
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, SAC_SCRIPT, Run, load_script, run_script, script_command, script_env, start_processes, wait_for_line
+from conftest import (SAC_SCRIPT, finish_processes, load_script, run_script, same_seed_and_resumed_runs, start_processes,
+                      start_script)
 
 sac = load_script(SAC_SCRIPT)
 
@@ -182,14 +181,7 @@ def test_dm_control_observations_are_flattened_in_key_order():
 # ---------------------------------------------------------------- runs of the script
 
 
-def start(flags: list[str], cwd, run_name: str) -> subprocess.Popen:
-    return subprocess.Popen(script_command(flags, run_name, SAC_SCRIPT), cwd=cwd, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, cwd, run_name: str) -> Run:
-    out, err = process.communicate(timeout=300)
-    return Run(subprocess.CompletedProcess(process.args, process.returncode, out, err), 0.0, cwd, run_name)
+start = partial(start_script, script=SAC_SCRIPT)
 
 
 @pytest.fixture(scope="module")
@@ -197,31 +189,14 @@ def runs(tmp_path_factory):
     """Shared by the tests below, started a few at a time (they are small): two same-seed runs and a run stopped by
     SIGTERM, then two resumes of its checkpoint (tiny Pendulum settings, updates of 32 env steps), then a
     two-process dm_control run."""
-    workdir = tmp_path_factory.mktemp("sac")
-    flags = [*TINY, "--total-timesteps", "256", "--seed", "3"]
-    long = [*TINY, "--total-timesteps", "384", "--seed", "3"]  # 12 updates: SIGTERM after the 4th
-    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
-                                                                                                    "stopped")
-    try:
-        lines = wait_for_line(stopped, "update=4/")
-        stopped.send_signal(signal.SIGTERM)
-        out, err = stopped.communicate(timeout=120)
-        result = {"first": finish(first, workdir, "first"), "second": finish(second, workdir, "second")}
-    finally:
-        for process in [first, second, stopped]:
-            process.kill()
-    result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
-    copy = tmp_path_factory.mktemp("sac_copy")  # the same run (--run-name is a flag of the run) in another folder
-    shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
-    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
-    result["resumed"], result["resumed_again"] = finish(resumed, workdir, "stopped"), finish(resumed_again, copy,
-                                                                                              "stopped")
+    result = same_seed_and_resumed_runs(tmp_path_factory, "sac", start,
+                                        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],
+                                        long=[*TINY, "--total-timesteps", "384", "--seed", "3"])  # 12 updates
+    workdir = tmp_path_factory.mktemp("sac_two")
     # dm_control (dict observations) here, with the saved model evaluated by process 0
     dm_control = [*TINY[2:], "--env-id", "CheetahRun-v1", "--save-model", "--eval-episodes", "1"]
-    processes = start_processes([*dm_control, "--total-timesteps", "256"], workdir, 2, run_name="two",
-                                script=SAC_SCRIPT)
-    outputs = [process.communicate(timeout=300) for process in processes]
-    result["two"] = [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
+    result["two"] = finish_processes(start_processes([*dm_control, "--total-timesteps", "256"], workdir, 2,
+                                                     run_name="two", script=SAC_SCRIPT))
     return result
 
 
