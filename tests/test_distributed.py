@@ -4,21 +4,16 @@ import re
 import signal
 import time
 
-from conftest import CARTPOLE_LEARNING, read_scalars, run_script, start_processes, wait_for_line
+from conftest import CARTPOLE_LEARNING, finish_processes, read_scalars, run_script, start_processes, wait_for_line
 
 CARTPOLE = ["--env-id", "CartPole-v1", "--num-steps", "32", "--hiddens", "16", "--num-actor-threads", "1",
             "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
 DIGEST = re.compile(r"process (\d): final params sha256=([0-9a-f]{64})")
 
 
-def finish(processes, timeout=300):
-    outputs = [process.communicate(timeout=timeout) for process in processes]
-    return [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
-
-
 def test_two_processes_train_one_learner(workdir):
     flags = [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"]
-    results = finish(start_processes(flags, workdir, 2, run_name="two"))
+    results = finish_processes(start_processes(flags, workdir, 2, run_name="two"))
     for rank, (returncode, out, err) in enumerate(results):
         assert returncode == 0, err
         assert "global_step=1280" in out and "process_SPS=" in out  # every process logs its own SPS
@@ -55,7 +50,7 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
 def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir, cartpole_learning_run):
     one = cartpole_learning_run  # 1 process x 8 envs
     assert one.returncode == 0, one.stderr
-    results = finish(start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"),
+    results = finish_processes(start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"),
                      timeout=600)
     assert all(returncode == 0 for returncode, _, _ in results), results[0][2] + results[1][2]
     for run_dir in [one.run_dir, workdir / "runs" / "two"]:
@@ -71,14 +66,14 @@ def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):
         wait_for_line(processes[0], "update=4/")
         for process in processes:
             process.send_signal(signal.SIGTERM)
-        results = finish(processes, timeout=60)
+        results = finish_processes(processes, timeout=60)
     finally:
         for process in processes:
             process.kill()
     saved = [re.findall(r"checkpoint saved: update=(\d+)", out) for _, out, _ in results]
     assert [returncode for returncode, _, _ in results] == [143, 143], results[1][2]
     assert saved[0] == saved[1] and len(saved[0]) == 1, saved  # one checkpoint, after the same update
-    resumed = finish(start_processes(flags, workdir, 2, run_name="pre"))
+    resumed = finish_processes(start_processes(flags, workdir, 2, run_name="pre"))
     assert all(returncode == 0 for returncode, _, _ in resumed), resumed[0][2] + resumed[1][2]
     assert all(f"resumed from checkpoint: update={saved[0][0]} " in out for _, out, _ in resumed)
     digests = [DIGEST.search(out).group(2) for _, out, _ in resumed]
@@ -94,7 +89,7 @@ def test_processes_in_different_folders_stop_at_once_with_one_line(tmp_path):
     for folder in folders:
         folder.mkdir()
     start = time.time()
-    results = finish(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"], folders, 2,
+    results = finish_processes(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"], folders, 2,
                                      run_name="apart"), timeout=120)
     seconds = time.time() - start
     for rank, (returncode, out, err) in enumerate(results):
@@ -105,7 +100,7 @@ def test_processes_in_different_folders_stop_at_once_with_one_line(tmp_path):
     assert seconds < 60, f"took {seconds:.0f}s"
     # the documented fix: one --checkpoint-dir that both see (here the same absolute path), and the run trains
     shared = tmp_path / "shared_checkpoints"
-    results = finish(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280",
+    results = finish_processes(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280",
                                       "--checkpoint-dir", str(shared)], folders, 2, run_name="apart"), timeout=300)
     assert [returncode for returncode, _, _ in results] == [0, 0], results[0][2] + results[1][2]
     assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["5"]  # the final checkpoint, by both
@@ -121,7 +116,7 @@ def test_sigterm_during_a_checkpoint_write_finishes_it_then_stops(workdir):
         for process in processes:
             process.send_signal(signal.SIGTERM)
         sent = time.time()
-        results = finish(processes, timeout=60)
+        results = finish_processes(processes, timeout=60)
         seconds = time.time() - sent
     finally:
         for process in processes:
@@ -133,7 +128,7 @@ def test_sigterm_during_a_checkpoint_write_finishes_it_then_stops(workdir):
         assert "stopped by signal 15 after update" in out
     stopped_at = {re.search(r"stopped by signal 15 after update (\d+)", out).group(1) for _, out, _ in results}
     assert stopped_at == {"2"}  # both, right after the update whose checkpoint was being written
-    resumed = finish(start_processes(flags, workdir, 2, run_name="pre"))
+    resumed = finish_processes(start_processes(flags, workdir, 2, run_name="pre"))
     assert all(returncode == 0 for returncode, _, _ in resumed), resumed[0][2] + resumed[1][2]
     assert all("resumed from checkpoint: update=2 " in out for _, out, _ in resumed)
     assert DIGEST.search(resumed[0][1]).group(2) == DIGEST.search(resumed[1][1]).group(2)

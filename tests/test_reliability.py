@@ -18,7 +18,7 @@ import pytest
 
 from cleanrl_utils.flags import UsageError, run_cli, settable_flags
 from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, load_script, read_scalars, script_command, script_env,
-                      start_processes, wait_for_line)
+                      finish_processes, start_processes, wait_for_line)
 
 # 1 actor thread x 4 envs x 32 steps = 128 steps per update
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
@@ -40,15 +40,6 @@ def run(flags, cwd, run_name="run", fault=None, timeout=180):
 
 def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error:")]
-
-
-def finish(processes, timeout=120):
-    try:
-        outputs = [process.communicate(timeout=timeout) for process in processes]
-    finally:
-        for process in processes:
-            process.kill()
-    return [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
 
 
 # ---------------------------------------------------------------- flags: every numeric flag has a checked range
@@ -230,8 +221,8 @@ def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_stat
 
 def test_processes_that_disagree_on_a_flag_stop_within_60_seconds(tmp_path):
     started = time.time()
-    results = finish(start_processes([*DISTRIBUTED, "--total-timesteps", "1280"], tmp_path, 2,
-                                     process_args=[["--hiddens", "16"], ["--hiddens", "32"]]))
+    results = finish_processes(start_processes([*DISTRIBUTED, "--total-timesteps", "1280"], tmp_path, 2,
+                                               process_args=[["--hiddens", "16"], ["--hiddens", "32"]]), timeout=120)
     seconds = time.time() - started
     print(f"flag mismatch: both processes exited {seconds:.1f}s after they started")
     for returncode, out, err in results:
@@ -248,7 +239,7 @@ def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp
     started = time.time()
     alone = [*start_processes(flags, tmp_path, 2, run_name="a", process_ids=[1]),
              *start_processes(flags, tmp_path, 2, run_name="b", process_ids=[0])]
-    results = finish(alone)
+    results = finish_processes(alone, timeout=120)
     seconds = time.time() - started
     print(f"missing peer: both exited {seconds:.1f}s after they started (--heartbeat-timeout 5)")
     for returncode, out, err in results:
@@ -266,7 +257,7 @@ def test_sigterm_to_process_1_stops_both_and_saves_no_model(tmp_path):
     try:
         wait_for_line(processes[0], "update=3/")
         processes[1].send_signal(signal.SIGTERM)
-        results = finish(processes, timeout=60)
+        results = finish_processes(processes, timeout=60)
     finally:
         for process in processes:
             process.kill()
