@@ -110,6 +110,9 @@ class Args:
     env_id: str = "Breakout-v5"
     """the id of an envpool env with discrete actions: Atari, classic control, Football, VizDoom, MiniGrid,
     Procgen (cleanrl_utils/envs.py); images go into the residual torso, vectors and dicts (flattened) into MLPs"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 10_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     search: str = "gumbel"
@@ -226,7 +229,8 @@ def validate_args(args: Args):
     if len(args.channels) != 2:
         raise UsageError(f"--channels must be two positive integers (the torso's two stride-2 convolutions), "
                          f"got {args.channels}")
-    check_env_id(args.env_id, discrete=True)  # one line if the family is not ours or cannot start here
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=True, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -236,12 +240,14 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+             env_options: Sequence[str] = ()):
     """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
     env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos).
     Atari's rewards are clipped to [-1, 1] there (IMPALA's setup; the MuZero paper does not clip: its transform h
     handles large rewards)."""
-    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
+                        overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -387,7 +393,7 @@ class MuZeroNet(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[MuZeroNet, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
-    obs_space, action_space = env_spaces(args.env_id)
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
     agent = MuZeroNet(int(action_space.n), tuple(args.channels), args.num_blocks, tuple(args.hiddens),
                       args.embedding_size, 2 * args.support_size + 1, obs_layout(args.env_id))
     params = agent.init(key, np.zeros((1, *obs_space.shape), obs_space.dtype), np.zeros(1, np.int32))
@@ -728,7 +734,7 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/reward_loss"]
 
     def init_replay():
-        obs_space, action_space = env_spaces(args.env_id)
+        obs_space, action_space = env_spaces(args.env_id, args.env_options)
         item = Rollout(obs=jnp.zeros(obs_space.shape, obs_space.dtype), actions=jnp.int32(0),
                        action_weights=jnp.zeros(int(action_space.n)), root_values=jnp.float32(0),
                        rewards=jnp.float32(0), terminations=jnp.float32(0), truncations=jnp.float32(0),
@@ -884,7 +890,8 @@ def main(args: Args) -> int:
         queue_devices.append(actor_device)
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
+                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

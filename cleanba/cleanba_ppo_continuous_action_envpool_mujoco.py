@@ -100,6 +100,9 @@ class Args:
     env_id: str = "HalfCheetah-v4"
     """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...) or DeepMind
     Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env)"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4
@@ -183,7 +186,8 @@ def validate_args(args: Args):
                 positive=["learning_rate", "clip_coef", "max_grad_norm"], non_negative=["ent_coef", "vf_coef"],
                 unit_interval=["gamma", "gae_lambda"],
                 positive_int_lists=["hiddens"])
-    check_env_id(args.env_id, discrete=False)  # one line if the family is not ours or cannot start here
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=False, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -198,10 +202,12 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+             env_options: Sequence[str] = ()):
     """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
     order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
-    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
+                        overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -238,7 +244,7 @@ class Agent(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
     """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
-    obs_space, action_space = env_spaces(args.env_id)
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
     agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
 
     def linear_schedule(count):
@@ -535,7 +541,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
     statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
-    action_space = env_spaces(args.env_id)[1]
+    action_space = env_spaces(args.env_id, args.env_options)[1]
     agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
     obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
     params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
@@ -732,7 +738,8 @@ def main(args: Args) -> int:
         queue_devices.append(actor_device)
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
+                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

@@ -99,6 +99,9 @@ class Args:
     env_id: str = "Breakout-v5"
     """the id of an envpool env with discrete actions: Atari, classic control, Football, VizDoom, MiniGrid,
     Procgen (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into MLPs"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 50_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     learning_rate: float = 2.5e-4
@@ -184,7 +187,8 @@ def validate_args(args: Args):
                 positive=["learning_rate", "clip_coef", "max_grad_norm"], non_negative=["ent_coef", "vf_coef"],
                 unit_interval=["gamma", "gae_lambda"],
                 positive_int_lists=["channels", "hiddens"])
-    check_env_id(args.env_id, discrete=True)  # one line if the family is not ours or cannot start here
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=True, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -199,10 +203,12 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+             env_options: Sequence[str] = ()):
     """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
     env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
-    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
+                        overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -289,7 +295,7 @@ class Agent(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
-    obs_space, action_space = env_spaces(args.env_id)
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
     agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
 
     def linear_schedule(count):
@@ -520,7 +526,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
-    obs_space, action_space = env_spaces(args.env_id)
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
     agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
     params = jax.tree.map(jnp.asarray, model["params"])
 
@@ -705,7 +711,8 @@ def main(args: Args) -> int:
         queue_devices.append(actor_device)
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
+                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

@@ -112,6 +112,9 @@ class Args:
     env_id: str = "Breakout-v5"
     """the id of an envpool env with discrete actions: Atari, classic control, Football, MiniGrid, Procgen
     (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into an MLP"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 50_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (positive)"""
     buffer_size: int = 100_000
@@ -216,7 +219,8 @@ def validate_args(args: Args):
                 unit_interval=["gamma", "priority_exponent", "importance_exponent", "priority_eta"],
                 positive_int_lists=["channels", "hiddens"], ranges={"total_timesteps": (1, 2**53)})
     check_choice("core", args.core, CORES)
-    check_env_id(args.env_id, discrete=True)  # one line if the family is not ours or cannot start here
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=True, env_options=args.env_options)
     if args.sequence_length % 2 != 0:
         raise UsageError(f"--sequence-length ({args.sequence_length}) must be even: sequences overlap by half")
     if args.burn_in >= args.sequence_length - 1:
@@ -234,10 +238,12 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+             env_options: Sequence[str] = ()):
     """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
     env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
-    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads)
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
+                        overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -361,7 +367,7 @@ class AgentState:
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
     """The network for --env-id and its training state (params, Adam state, target params), on the host."""
-    obs_space, action_space = env_spaces(args.env_id)
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
     agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id), args.core,
                   args.lstm_size)
     params = agent.init(key, np.zeros((1, 1, *obs_space.shape), obs_space.dtype), np.ones((1, 1), bool),
@@ -651,7 +657,7 @@ class EvalPolicy:
     recurrent state, which the evaluator's `end_episodes(ended)` zeroes (after envpool's reset step)."""
 
     def __init__(self, args: Args, model: dict, greedy: bool):
-        obs_space, action_space = env_spaces(args.env_id)
+        obs_space, action_space = env_spaces(args.env_id, args.env_options)
         agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id),
                       args.core, args.lstm_size)
         self.act, self.params = make_actor_fns(agent).act, jax.tree.map(jnp.asarray, model["params"])
@@ -714,7 +720,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     minibatch_specs = Minibatch(Sequences(*([sharded_samples] * len(Sequences._fields))), sharded_samples)
     num_devices, capacity = mesh.devices.size, replay_capacity(args, mesh.devices.size)
     local_buffer = make_replay_buffer(args, num_devices)
-    obs_space, _ = env_spaces(args.env_id)
+    obs_space, _ = env_spaces(args.env_id, args.env_options)
     length = args.sequence_length
     item = Sequences(obs=jnp.zeros((length, *obs_space.shape), jnp.uint8 if obs_space.dtype == np.uint8 else jnp.float32),
                      actions=jnp.zeros(length, jnp.int32), rewards=jnp.zeros(length), terminations=jnp.zeros(length),
@@ -887,7 +893,8 @@ def main(args: Args) -> int:
         queue_devices.append(actor_device)
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
+                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

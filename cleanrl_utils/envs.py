@@ -5,8 +5,9 @@ Every script calls `check_env_id` in validate_args (one UsageError line, before 
 `make_envpool` in make_env, and `env_spaces` where it builds its networks; the torso follows `obs_layout`.
 """
 
+import ast
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import envpool
 import gymnasium
@@ -61,6 +62,10 @@ FAMILIES = {  # envpool's registry name of the family -> how the scripts train o
 # join; the discrete scripts set OPENBLAS_NUM_THREADS=1 before numpy loads, unless the user set it.
 FORK_SAFE_ENV = {"envpool.vizdoom": {"OPENBLAS_NUM_THREADS": "1"}}
 CANNOT_START_HINTS = {"envpool.procgen": "install the Qt 5 runtime first: apt-get install libqt5gui5 (Debian/Ubuntu)"}
+# envpool options --env-options may not set: make_envpool sets the first ones, and the torsos assume the layout the
+# rest give (Procgen's channel order, VizDoom's discrete combined actions)
+FIXED_OPTIONS = {"num_envs", "batch_size", "num_threads", "seed", "env_seed", "max_num_players", "base_path",
+                 "thread_affinity_offset", "gym_reset_return_info", "channel_first", "use_combined_action"}
 DICT_OBS_SKIPPED = {"mission"}  # MiniGrid's instruction as bytes: constant per MiniGrid-* id, needs a text encoder
 
 
@@ -68,9 +73,37 @@ def env_family(env_id: str) -> str:
     return envpool.registration.registry.specs.get(env_id, ("",))[0]
 
 
-def check_env_id(env_id: str, *, discrete: bool):
-    """UsageError (one line naming --env-id) unless `env_id` is an envpool id of a family this kind of script
-    trains on and it can start on this machine."""
+def env_options(env_id: str, overrides: Sequence[str] = ()) -> dict:
+    """The envpool options of `env_id`: its family's cited options, then --env-options' KEY=VALUE pairs (VALUE a
+    Python literal: 42, 0.5, True, "text"; anything else is a string). UsageError (one line) for a key envpool
+    does not have for this id, one the scripts fix, or a value of another type than envpool's default."""
+    options = dict(FAMILIES[env_family(env_id)].options)
+    spec = envpool.make_spec(env_id)
+    defaults = dict(zip(spec._config_keys, spec._config_values))  # this id's values
+    for pair in overrides:
+        key, equals, text = pair.partition("=")
+        if not equals or key not in defaults or key in FIXED_OPTIONS:
+            allowed = ", ".join(sorted(set(defaults) - FIXED_OPTIONS))
+            raise UsageError(f"--env-options {pair!r} is not KEY=VALUE with a KEY of {env_id}'s envpool options: "
+                             f"{allowed}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        default = defaults[key]
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        sequences = isinstance(default, (list, tuple)) and isinstance(value, (list, tuple))
+        if type(value) is not type(default) and not sequences:
+            raise UsageError(f"--env-options {pair!r}: {key} takes {type(default).__name__} values (envpool's default for "
+                             f"{env_id}: {default!r})")
+        options[key] = value
+    return options
+
+
+def check_env_id(env_id: str, *, discrete: bool, env_options: Sequence[str] = ()):
+    """UsageError (one line naming --env-id or --env-options) unless `env_id` is an envpool id of a family this kind
+    of script trains on, `env_options` are options of it, and it can start on this machine."""
     families = [f for f in FAMILIES.values() if f.discrete == discrete]
     allowed = ", ".join(f"{f.name} ({f.example_id})" for f in families)
     family = FAMILIES.get(env_family(env_id))
@@ -83,7 +116,7 @@ def check_env_id(env_id: str, *, discrete: bool):
                              f"{os.environ.get(name)!r}): its game processes are forked from several threads at once, "
                              f"and OpenBLAS's fork handler can hang then")
     try:
-        action_space = env_spaces(env_id)[1]  # with the family's options (VizDoom's combined actions)
+        action_space = env_spaces(env_id, env_options)[1]  # with the family's options (VizDoom's combined actions)
     except ImportError as error:  # envpool imports a family's library on first use
         hint = CANNOT_START_HINTS.get(env_family(env_id), "see envpool's install notes for this family")
         raise UsageError(f"--env-id {env_id!r} cannot start here ({str(error).splitlines()[0]}): {hint}") from None
@@ -111,9 +144,9 @@ def flat_obs_space(obs_space: gymnasium.spaces.Dict) -> gymnasium.spaces.Box:
     return gymnasium.spaces.Box(-np.inf, np.inf, (size,), np.float32)
 
 
-def env_spaces(env_id: str) -> tuple[gymnasium.Space, gymnasium.Space]:
-    """(observation space as the agent sees it, action space) of `env_id`, without starting envs."""
-    spec = envpool.make_spec(env_id, **FAMILIES[env_family(env_id)].options)
+def env_spaces(env_id: str, overrides: Sequence[str] = ()) -> tuple[gymnasium.Space, gymnasium.Space]:
+    """(observation space as the agent sees it, action space) of `env_id` with its options, without starting envs."""
+    spec = envpool.make_spec(env_id, **env_options(env_id, overrides))
     obs_space = spec.observation_space
     if isinstance(obs_space, gymnasium.spaces.Dict):
         obs_space = flat_obs_space(obs_space)
@@ -139,18 +172,23 @@ class FlatObsEnvs:
         return getattr(self.envs, name)
 
 
-def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
-    """envpool gymnasium envs with the family's options; env i of the pool is seeded with seed + i;
-    render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
+def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+                 overrides: Sequence[str] = ()):
+    """envpool gymnasium envs with the family's options and `overrides` (--env-options); env i of the pool is seeded
+    with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
+    if env_family(env_id) == "envpool.vizdoom":
+        # each VizDoom game process creates ./_vizdoom/ when it is missing; several starting at once race on it, the
+        # loser exits and envpool then crashes (a segfault in 2 of 8 starts in new folders here): create it first
+        os.makedirs("_vizdoom", exist_ok=True)
     envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
-                        num_threads=num_threads, **FAMILIES[env_family(env_id)].options)
+                        num_threads=num_threads, **env_options(env_id, overrides))
     return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
 
 
-def random_policy_return(env_id: str, episodes: int, seed: int = 123) -> float:
+def random_policy_return(env_id: str, episodes: int, seed: int = 123, overrides: Sequence[str] = ()) -> float:
     """The mean return of uniformly random actions over `episodes` whole episodes: the baseline a learning
     result is compared with (tests, benchmark/seed_envs.sh)."""
-    envs, rng = make_envpool(env_id, seed=seed, num_envs=8), np.random.default_rng(seed)
+    envs, rng = make_envpool(env_id, seed=seed, num_envs=8, overrides=overrides), np.random.default_rng(seed)
     envs.reset()
     space, returns, episode_return = envs.action_space, [], np.zeros(8)
     while len(returns) < episodes:
@@ -164,8 +202,8 @@ def random_policy_return(env_id: str, episodes: int, seed: int = 123) -> float:
     return float(np.mean(returns[:episodes]))
 
 
-if __name__ == "__main__":  # python -m cleanrl_utils.envs ENV_ID EPISODES: print the random policy's mean return
+if __name__ == "__main__":  # python -m cleanrl_utils.envs ENV_ID EPISODES [KEY=VALUE ...]: random play's mean return
     import sys
 
-    print(f"{sys.argv[1]} random policy: {random_policy_return(sys.argv[1], int(sys.argv[2])):.3f} "
-          f"over {sys.argv[2]} episodes")
+    mean_return = random_policy_return(sys.argv[1], int(sys.argv[2]), overrides=sys.argv[3:])
+    print(f"{sys.argv[1]} random policy: {mean_return:.3f} over {sys.argv[2]} episodes")

@@ -4,7 +4,7 @@
         [--greedy] [--capture-video]
 
 The model file names the script that made it ("script"); the evaluator imports that script from cleanba/
-(or from --script) and uses its `make_env(env_id, seed, num_envs, render_mode)` and
+(or from --script) and uses its `make_env(env_id, seed, num_envs, render_mode[, env_options])` and
 `make_eval_policy(args, model, greedy)`, so it needs no code of its own for any algorithm. Returns are
 the real game's: unclipped rewards (info["reward"] if present) summed until game over (info["terminated"]
 if present, else terminated) or truncation.
@@ -182,8 +182,9 @@ def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: boo
     seed = args.seed if seed is None else seed
     if video_folder is None:
         video_folder = f"videos/{args.run_name}"
+    options = {"env_options": args.env_options} if getattr(args, "env_options", None) else {}  # SAC has none
     envs = module.make_env(args.env_id, seed, min(num_envs, eval_episodes),
-                           render_mode="rgb_array" if capture_video else None)
+                           render_mode="rgb_array" if capture_video else None, **options)
     policy = module.make_eval_policy(args, model, greedy)
     recorder = VideoRecorder(video_folder) if capture_video else None
     start = time.time()
