@@ -22,7 +22,9 @@ FAMILY_RUNS = {
     "minigrid": (IMPALA_SCRIPT, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "4", "--num-steps", "8",
                                                           "--num-minibatches", "2", "--hiddens", "16"]),
     "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
-    "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--update-epochs", "1"]),
+    # with --env-options: training and the saved model's evaluation must both build the 30x45 single-frame env
+    "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--update-epochs", "1", "--env-options", "img_height=30",
+                                         "img_width=45", "stack_num=1"]),
     "dm_control": (MUJOCO_SCRIPT, "CartpoleBalance-v1", ["--local-num-envs", "2", "--num-steps", "16", "--hiddens",
                                                          "8", "--num-minibatches", "2", "--update-epochs", "1"]),
 }
