@@ -187,19 +187,24 @@ def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None 
 
 def random_policy_return(env_id: str, episodes: int, seed: int = 123, overrides: Sequence[str] = ()) -> float:
     """The mean return of uniformly random actions over `episodes` whole episodes: the baseline a learning
-    result is compared with (tests, benchmark/seed_envs.sh)."""
+    result is compared with (tests, benchmark/seed_envs.sh). Each of the 8 envs plays the same number of episodes
+    (the first ones it finishes): taking the first `episodes` to finish overall would favour short episodes."""
     envs, rng = make_envpool(env_id, seed=seed, num_envs=8, overrides=overrides), np.random.default_rng(seed)
-    envs.reset()
-    space, returns, episode_return = envs.action_space, [], np.zeros(8)
-    while len(returns) < episodes:
-        actions = (rng.integers(space.n, size=8) if hasattr(space, "n")
-                   else rng.uniform(space.low, space.high, size=(8, *space.shape)))
-        _, reward, terminated, truncated, _ = envs.step(actions)
-        episode_return += reward
-        for i in np.flatnonzero(terminated | truncated):
-            returns.append(episode_return[i])
-            episode_return[i] = 0
-    return float(np.mean(returns[:episodes]))
+    per_env = -(-episodes // 8)
+    try:
+        envs.reset()
+        space, returns, episode_return = envs.action_space, [[] for _ in range(8)], np.zeros(8)
+        while min(len(r) for r in returns) < per_env:
+            actions = (rng.integers(space.n, size=8) if hasattr(space, "n")
+                       else rng.uniform(space.low, space.high, size=(8, *space.shape)))
+            _, reward, terminated, truncated, _ = envs.step(actions)
+            episode_return += reward
+            for i in np.flatnonzero(terminated | truncated):
+                returns[i].append(episode_return[i])
+                episode_return[i] = 0
+    finally:
+        envs.close()  # VizDoom's game processes end with it
+    return float(np.mean([r[:per_env] for r in returns]))
 
 
 if __name__ == "__main__":  # python -m cleanrl_utils.envs ENV_ID EPISODES [KEY=VALUE ...]: random play's mean return
