@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import tyro
 
 from cleanrl_utils.flags import UsageError
 
