@@ -25,6 +25,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -241,6 +242,7 @@ def plot_panels(args: Panels):
             axis.axhline(baseline, linestyle="--", color="tab:red", linewidth=1.2, label="random policy")
         axis.set_title(label, fontsize=9)
         axis.set_xlabel("environment steps")
+        axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:g}k"))  # no overlap
         axis.grid(alpha=0.3)
         axis.legend(loc="best", fontsize=7)
         print(f"| {label} | {values[-5:].mean():,.3f} | {'' if baseline is None else f'{baseline:,.3f}'} | {steps[-1]:,} |")
