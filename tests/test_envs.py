@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cleanrl_utils import envs as env_families
+from cleanrl_utils.evals.evaluate import check_capture_video
 from cleanrl_utils.flags import UsageError
 from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, run_script
 
@@ -53,6 +54,19 @@ def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     assert [v for _, v in scalars["stats/actor_policy_version"]] == [0, 0, 1]  # one version behind
     assert np.all(np.isfinite([v for _, v in scalars["losses/loss"]]))
     assert len(scalars["eval/episodic_return"]) == 1 and (run.run_dir / f"{FAMILY_RUNS[family][0].stem}.cleanrl_model").exists()
+
+
+@pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "BigfishEasy-v0", "DefendTheCenter-v1"])
+def test_family_renders_frames_for_videos(env_id):
+    # --capture-video's check before training: env 0 of the script's make_env renders uint8 RGB frames
+    check_capture_video(PPO_SCRIPT, env_id)
+
+
+def test_football_videos_are_refused_before_training_in_one_line():
+    with pytest.raises(UsageError) as error:
+        check_capture_video(PPO_SCRIPT, "gfootball/academy_empty_goal_close-v1")
+    assert str(error.value) == ("--capture-video: gfootball/academy_empty_goal_close-v1 cannot be rendered here "
+                                "(RuntimeError: render not implemented for this environment); run without --capture-video")
 
 
 def test_flatten_obs_concatenates_sorted_keys_as_float32():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cleanrl_utils.envs import env_family
 from cleanrl_utils.flags import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -237,8 +238,10 @@ def check_capture_video(script: str | os.PathLike, env_id: str):
     if probe.returncode != 0:
         lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
         reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
-        raise UsageError(f"--capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video "
-                         "(envpool's MuJoCo envs need an OpenGL context to render)")
+        why = " (envpool's MuJoCo envs need an OpenGL context to render)" if env_family(env_id).startswith(
+            "envpool.mujoco") else ""  # other families that fail (Football) have no renderer in envpool at all
+        raise UsageError(f"--capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video"
+                         f"{why}")
 
 
 def check_save_model_flags(args, script: str | os.PathLike):
