@@ -98,11 +98,11 @@ class Args:
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v4"
-    """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...) or DeepMind
-    Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env)"""
+    """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...), DeepMind
+    Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env) or Pendulum-v1"""
     env_options: list[str] = field(default_factory=list)
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
-    img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
+    frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4

@@ -1,6 +1,6 @@
 """Sebulba R2D2 (Kapturowski et al. 2019, "Recurrent experience replay in distributed reinforcement learning") for
-envpool's discrete-action envs (Atari, classic control, Football, MiniGrid, Procgen), with the prioritized sequence
-replay on the learner devices, sharded along the env axis.
+envpool's discrete-action envs (Atari, classic control, Football, VizDoom, MiniGrid, Procgen), with the prioritized
+sequence replay on the learner devices, sharded along the env axis.
 
 One file, read top to bottom: `Args`, the env factory, the networks, the pure math (value rescaling, n-step double
 Q targets, priorities, burn-in), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What
@@ -110,8 +110,8 @@ class Args:
 
     # Algorithm specific arguments
     env_id: str = "Breakout-v5"
-    """the id of an envpool env with discrete actions: Atari, classic control, Football, MiniGrid, Procgen
-    (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into an MLP"""
+    """the id of an envpool env with discrete actions: Atari, classic control, Football, VizDoom, MiniGrid,
+    Procgen (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into an MLP"""
     env_options: list[str] = field(default_factory=list)
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""

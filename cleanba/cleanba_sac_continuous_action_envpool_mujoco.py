@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, NamedTuple, Sequence
 
-import envpool
 import flashbax
 import flax.linen as nn
 import jax
@@ -49,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
 from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
@@ -100,8 +100,11 @@ class Args:
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v4"
-    """the id of the environment: an envpool continuous-action id: MuJoCo (HalfCheetah-v4, Hopper-v4, ...),
-    dm_control (CheetahRun-v1, WalkerWalk-v1, ...) or Pendulum-v1"""
+    """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...), DeepMind
+    Control (CheetahRun-v1, WalkerWalk-v1, ...: dict observations flattened by make_env) or Pendulum-v1"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes; CleanRL: 1M) (positive)"""
     buffer_size: int = 1_000_000
@@ -182,10 +185,8 @@ def validate_args(args: Args):
                                      "minibatch_size", "total_timesteps"], non_negative_ints=["learning_starts"],
                 positive=["policy_lr", "q_lr", "replay_ratio"], non_negative=["alpha"],
                 unit_interval=["gamma", "tau"], positive_int_lists=["hiddens"])
-    env_family = envpool.registration.registry.specs.get(args.env_id, ("",))[0]
-    if env_family not in CONTINUOUS_FAMILIES or hasattr(envpool.make_spec(args.env_id).action_space, "n"):
-        raise UsageError(f"--env-id {args.env_id!r} is not supported: use an envpool id with continuous actions "
-                         "(HalfCheetah-v4, Hopper-v4, ..., dm_control's CheetahRun-v1, ..., or Pendulum-v1)")
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=False, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
         raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
                          f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
@@ -196,28 +197,12 @@ def validate_args(args: Args):
 
 # ---------------------------------------------------------------- environments
 
-# envpool's continuous-control families; Pendulum-v1 is the one continuous-action env of classic control
-CONTINUOUS_FAMILIES = {"envpool.mujoco.gym", "envpool.mujoco.dmc", "envpool.classic_control"}
-
-
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0):
-    """envpool's task as it is; dm_control's dict observations are flattened by `flatten_obs` where they are used."""
-    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
-                        num_threads=num_threads)
-
-
-def flatten_obs(obs) -> np.ndarray:
-    """One float32 vector per env: an array as it is; dm_control's dict of arrays concatenated in the sorted order
-    of its keys (fixed, whatever order envpool builds the dict in)."""
-    if isinstance(obs, dict):
-        return np.concatenate([np.asarray(obs[k], np.float32).reshape(len(obs[k]), -1) for k in sorted(obs)], axis=1)
-    return np.asarray(obs, np.float32)
-
-
-def obs_size(env_id: str) -> int:
-    space = envpool.make_spec(env_id).observation_space
-    spaces = [space[k] for k in sorted(space.keys())] if hasattr(space, "keys") else [space]
-    return sum(int(np.prod(s.shape)) for s in spaces)
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
+             env_options: Sequence[str] = ()):
+    """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
+    order (cleanrl_utils/envs.py); not normalized (as in the SAC paper)."""
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
+                        overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -280,9 +265,10 @@ class AgentState(struct.PyTreeNode):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
     """The networks for --env-id and their training state (params, Adam states, targets), on the host."""
-    action_dim = int(np.prod(envpool.make_spec(args.env_id).action_space.shape))
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
+    action_dim = int(np.prod(action_space.shape))
     agent = Agent(Actor(action_dim, tuple(args.hiddens)), TwinQ(tuple(args.hiddens)))
-    obs, action = np.zeros((1, obs_size(args.env_id)), np.float32), np.zeros((1, action_dim), np.float32)
+    obs, action = np.zeros((1, *obs_space.shape), np.float32), np.zeros((1, action_dim), np.float32)
     actor_key, critic_key = jax.random.split(key)
     critic_params = agent.critic.init(critic_key, obs, action)
     return agent, AgentState(
@@ -403,7 +389,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
     key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
     num_envs, num_steps = args.local_num_envs, args.num_steps
     action_space = envs.action_space
-    next_obs = flatten_obs(envs.reset()[0])  # envpool's MuJoCo observations are float64
+    next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     episode_returns = np.zeros(num_envs, dtype=np.float64)
     episode_lengths = np.zeros(num_envs, dtype=np.int64)
@@ -449,7 +435,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
             episode_returns *= ~game_over
             episode_lengths *= ~game_over
             previous_episode_end = game_over
-            next_obs = flatten_obs(step_obs)
+            next_obs = step_obs.astype(np.float32)
             storage_time += time.time() - storage_start
         rollout_time = time.time() - rollout_start
 
@@ -478,7 +464,7 @@ def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array,
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the squashed mean (greedy) or
     a squashed sample, scaled to the action bounds."""
-    action_space = envpool.make_spec(args.env_id).action_space
+    action_space = env_spaces(args.env_id, args.env_options)[1]
     actor = Actor(int(np.prod(action_space.shape)), tuple(args.hiddens))
     params = jax.tree.map(jnp.asarray, model["params"])
 
@@ -491,7 +477,7 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
         return scale_actions(actions, action_space.low, action_space.high), key
 
     def policy(obs, key: jax.Array):
-        actions, key = act(params, flatten_obs(obs), key)
+        actions, key = act(params, np.asarray(obs, np.float32), key)
         return np.asarray(actions), key
 
     return policy
@@ -537,7 +523,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     action_dim = agent.actor.action_dim
 
     def init_replay():
-        item = Rollout(obs=jnp.zeros(obs_size(args.env_id)), actions=jnp.zeros(action_dim), rewards=jnp.float32(0),
+        item = Rollout(obs=jnp.zeros(env_spaces(args.env_id, args.env_options)[0].shape), actions=jnp.zeros(action_dim), rewards=jnp.float32(0),
                        terminations=jnp.float32(0), valid=jnp.bool_(False))
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(item)
@@ -692,7 +678,8 @@ def main(args: Args) -> int:
         queue_devices.append(actor_device)
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs, num_threads=num_envpool_threads),
+                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
+                                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

@@ -18,14 +18,14 @@ from cleanrl_utils.flags import UsageError
 
 class Family(NamedTuple):
     name: str
-    example_id: str
-    discrete: bool  # the action space: Discrete (PPO / IMPALA scripts) or Box (MuJoCo PPO, SAC)
+    discrete_example: str | None  # an id with Discrete actions (PPO, IMPALA, R2D2, MuZero), None if the family has none
+    continuous_example: str | None  # an id with Box actions (MuJoCo PPO, SAC), None if the family has none
     obs_layout: str  # "chw" / "hwc" uint8 images (IMPALA CNN), or "vector" (MLP; dicts are flattened)
     options: dict  # envpool.make keyword arguments, each from the family's reference setup
 
 
 FAMILIES = {  # envpool's registry name of the family -> how the scripts train on it
-    "envpool.atari": Family("Atari", "Breakout-v5", True, "chw", dict(
+    "envpool.atari": Family("Atari", "Breakout-v5", None, "chw", dict(
         # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ
         episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
         reward_clip=True,  # rewards clipped to [-1, 1]
@@ -33,28 +33,29 @@ FAMILIES = {  # envpool's registry name of the family -> how the scripts train o
         full_action_space=False,  # the minimal, game-specific action set
         max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
         repeat_action_probability=0.0)),  # no sticky actions, as in the IMPALA paper
-    "envpool.classic_control": Family("classic control", "CartPole-v1", True, "vector", {}),
-    "envpool.gfootball": Family("Google Research Football", "gfootball/academy_empty_goal_close-v1", True, "hwc",
+    "envpool.gfootball": Family("Google Research Football", "gfootball/academy_empty_goal_close-v1", None, "hwc",
         # SEED RL's football/env.py: the Super Mini Map (SMM, 72 x 96 x 4 planes), "scoring" rewards, action
         # repeat 1. envpool has exactly these and no frame stacking (SEED stacks 4 SMM frames): one frame here.
         dict(physics_steps_per_frame=10)),  # gfootball's own default, as SEED RL uses it
-    "envpool.vizdoom": Family("VizDoom", "Basic-v1", True, "chw", dict(
+    "envpool.vizdoom": Family("VizDoom", "Basic-v1", None, "chw", dict(
         use_combined_action=True,  # Discrete over button combinations instead of a Box of buttons
         frame_skip=4,  # Sample Factory's --env_frameskip default for Doom (Petrenko et al. 2020, Sec. 4)
         stack_num=4,  # 4 stacked RGB frames (12 x 84 x 84): our torsos are feed-forward (no RNN)
         img_height=84, img_width=84, episodic_life=False)),
-    "envpool.minigrid": Family("MiniGrid", "MiniGrid-Empty-5x5-v0", True, "vector",
+    "envpool.minigrid": Family("MiniGrid", "MiniGrid-Empty-5x5-v0", None, "vector",
         # MiniGrid's own per-task settings (Chevalier-Boisvert et al. 2023: 7x7 egocentric view, max_steps
         # per task) are envpool's per-id defaults, so nothing is overridden
         {}),
-    "envpool.procgen": Family("Procgen", "BigfishEasy-v0", True, "chw", dict(
+    "envpool.procgen": Family("Procgen", "BigfishEasy-v0", None, "chw", dict(
         # the distribution mode is the id's Easy/Hard; Cobbe et al. 2020 train on the unrestricted level
         # distribution for sample efficiency (num_levels=0) with all backgrounds, as the paper's benchmark
         num_levels=0, start_level=0, use_backgrounds=True, channel_first=True)),
-    "envpool.mujoco.gym": Family("MuJoCo (gym)", "HalfCheetah-v4", False, "vector", {}),
-    "envpool.mujoco.dmc": Family("DeepMind Control", "CheetahRun-v1", False, "vector", dict(
+    "envpool.mujoco.gym": Family("MuJoCo (gym)", None, "HalfCheetah-v4", "vector", {}),
+    "envpool.mujoco.dmc": Family("DeepMind Control", None, "CheetahRun-v1", "vector", dict(
         # Tassa et al. 2018 (DeepMind Control Suite, Sec. 2): 1000-step episodes, rewards in [0, 1], no repeat
         frame_skip=1, max_episode_steps=1000)),
+    # CartPole-v1, Acrobot-v1, ... (Discrete) and Pendulum-v1 (Box): the id's action space says which scripts take it
+    "envpool.classic_control": Family("classic control", "CartPole-v1", "Pendulum-v1", "vector", {}),
 }
 # envpool's VizDoom starts one game process per env with fork() from several of envpool's threads at once. OpenBLAS
 # (loaded with numpy) runs a fork handler that joins its worker threads, and two forks at once can join the same
@@ -104,10 +105,12 @@ def env_options(env_id: str, overrides: Sequence[str] = ()) -> dict:
 def check_env_id(env_id: str, *, discrete: bool, env_options: Sequence[str] = ()):
     """UsageError (one line naming --env-id or --env-options) unless `env_id` is an envpool id of a family this kind
     of script trains on, `env_options` are options of it, and it can start on this machine."""
-    families = [f for f in FAMILIES.values() if f.discrete == discrete]
-    allowed = ", ".join(f"{f.name} ({f.example_id})" for f in families)
+    def example(family):
+        return family.discrete_example if discrete else family.continuous_example
+
+    allowed = ", ".join(f"{f.name} ({example(f)})" for f in FAMILIES.values() if example(f))
     family = FAMILIES.get(env_family(env_id))
-    if family is None or family.discrete != discrete or env_id.startswith("BabyAI-"):
+    if family is None or not example(family) or env_id.startswith("BabyAI-"):
         why = " (BabyAI's missions need a text encoder)" if env_id.startswith("BabyAI-") else ""
         raise UsageError(f"--env-id {env_id!r} is not supported{why}: use an envpool id of {allowed}")
     for name, value in FORK_SAFE_ENV.get(env_family(env_id), {}).items():

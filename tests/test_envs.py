@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from cleanrl_utils import envs as env_families
-from cleanrl_utils.evals.evaluate import check_capture_video
+import jax
+from flax.serialization import to_state_dict
+
+from cleanrl_utils.evals.evaluate import check_capture_video, load_script
 from cleanrl_utils.flags import UsageError
-from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, run_script
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, run_script
 
 TINY_IMAGE = ["--local-num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--channels", "4", "--hiddens", "16"]
 TINY_RUN = ["--num-actor-threads", "1", "--total-timesteps", "96", "--log-frequency", "1", "--save-model",
@@ -54,6 +57,31 @@ def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     assert len(scalars["eval/episodic_return"]) == 1 and (run.run_dir / f"{FAMILY_RUNS[family][0].stem}.cleanrl_model").exists()
 
 
+# the replay scripts' tiny networks; their runs on Atari and CartPole are in test_r2d2.py and test_muzero.py
+REPLAY_SCRIPTS = {"r2d2": (R2D2_SCRIPT, dict(channels=[4], hiddens=[16], lstm_size=8)),
+                  "muzero": (MUZERO_SCRIPT, dict(channels=[4, 4], num_blocks=1, hiddens=[16], embedding_size=8,
+                                                 support_size=5, num_simulations=4))}
+
+
+@pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"])
+@pytest.mark.parametrize("name", list(REPLAY_SCRIPTS))
+def test_replay_scripts_act_on_each_observation_layout(name, env_id):
+    # R2D2 and MuZero take every discrete family too: a dict (MiniGrid: flattened, MLP), channel-last (Football's
+    # map) and channel-first images (Procgen: IMPALA CNN / MuZero's torso), through the saved-model policy
+    script, sizes = REPLAY_SCRIPTS[name]
+    module = load_script(script)
+    args = module.Args(env_id=env_id, **sizes)
+    state = module.make_agent(args, jax.random.key(0))[1]
+    params = state.online.params if name == "r2d2" else state.params
+    policy = module.make_eval_policy(args, {"params": to_state_dict(params)}, greedy=False)
+    envs, key = module.make_env(env_id, seed=0, num_envs=2), jax.random.key(1)
+    obs, _ = envs.reset()
+    for _ in range(3):
+        actions, key = policy(obs, key)
+        assert actions.shape == (2,) and np.all((0 <= actions) & (actions < envs.action_space.n))
+        obs, *_ = envs.step(actions)
+
+
 @pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "BigfishEasy-v0", "DefendTheCenter-v1"])
 def test_family_renders_frames_for_videos(env_id):
     # --capture-video's check before training: env 0 of the script's make_env renders uint8 RGB frames
@@ -89,6 +117,12 @@ def test_env_spaces_are_what_the_envs_return(env_id, shape):
     assert obs_space.shape == shape and obs.shape == (2, *shape) and obs.dtype == obs_space.dtype
     obs, *_ = envs.step(np.array([action_space.sample() for _ in range(2)]))
     assert obs.shape == (2, *shape)
+
+
+@pytest.mark.parametrize("env_id,discrete", [("CartPole-v1", True), ("Pendulum-v1", False), ("CheetahRun-v1", False),
+                                              ("Breakout-v5", True)])
+def test_each_kind_of_script_takes_the_ids_of_its_actions(env_id, discrete):
+    env_families.check_env_id(env_id, discrete=discrete)  # classic control has both: CartPole (PPO), Pendulum (SAC)
 
 
 @pytest.mark.parametrize("env_id,discrete,message", [

@@ -246,13 +246,13 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     run = run_script(["--env-id", "CartPole-v1"], workdir, script=MUJOCO_SCRIPT, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip() == (
-        "error: --env-id 'CartPole-v1' is not supported: use an envpool id of MuJoCo (gym) "
-        "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1)")
+        "error: --env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of MuJoCo (gym) "
+        "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control (Pendulum-v1)")
     assert not (workdir / "runs").exists()
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1' is not supported"),  # continuous, but not MuJoCo
+    (["--env-options", "stack_num=1"], "--env-options 'stack_num=1' is not KEY=VALUE with a KEY of HalfCheetah-v4's"),
     (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
     (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
     (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
@@ -264,7 +264,7 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
     (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
     (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch (2048 ="),
-], ids=["pendulum", "atari", "unknown", "negative-device", "duplicate-device", "device-out-of-range", "hiddens",
+], ids=["env-option", "atari", "unknown", "negative-device", "duplicate-device", "device-out-of-range", "hiddens",
         "envs-split", "infinite-learning-rate", "negative-entropy-coefficient", "lambda-above-one", "below-one-batch"])
 def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, message):
     # in this process (4 host devices, set by conftest): main() must stop with exit code 2 before it starts a run

@@ -171,11 +171,14 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
     assert one.log_alpha.params["log_alpha"] != 0
 
 
-def test_dm_control_observations_are_flattened_in_key_order():
-    obs = {"velocity": np.array([[1.0, 2.0], [3.0, 4.0]]), "height": np.array([5.0, 6.0]),
-           "orientations": np.array([[7.0], [8.0]])}
-    np.testing.assert_array_equal(sac.flatten_obs(obs), [[5, 7, 1, 2], [6, 8, 3, 4]])
-    assert sac.flatten_obs(obs).dtype == np.float32 and sac.obs_size("WalkerWalk-v1") == 14 + 1 + 9
+def test_make_env_flattens_dm_control_and_takes_env_options():
+    # WalkerWalk's dict (orientations 14, height 1, velocity 9) as one vector, cleanrl_utils.envs' key order;
+    # --env-options reach envpool: 3-step episodes instead of dm_control's 1000
+    envs = sac.make_env("WalkerWalk-v1", seed=0, num_envs=2, env_options=["max_episode_steps=3"])
+    obs, _ = envs.reset()
+    assert obs.shape == (2, 14 + 1 + 9) == (2, *sac.env_spaces("WalkerWalk-v1")[0].shape)
+    truncations = [envs.step(np.zeros((2, 6)))[3].tolist() for _ in range(3)]
+    assert truncations == [[False, False], [False, False], [True, True]]
 
 
 # ---------------------------------------------------------------- runs of the script
@@ -242,10 +245,13 @@ def test_two_processes_keep_identical_params(runs):
     (["--buffer-size", "100", "--minibatch-size", "256"], "--buffer-size (100) must be at least --minibatch-size"),
     (["--replay-ratio", "0"], "--replay-ratio must be positive"),
     (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (256) must be a positive whole"),
-    (["--env-id", "CartPole-v1"], "--env-id 'CartPole-v1' is not supported"),
+    (["--env-id", "CartPole-v1"], "--env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of "
+                                  "MuJoCo (gym) (HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control"),
+    (["--env-options", "frame_skip=2"], "--env-options 'frame_skip=2' is not KEY=VALUE with a KEY of Pendulum-v1's"),
     (["--minibatch-size", "255", "--learner-device-ids", "0", "1"], "--minibatch-size (255) must be divisible"),
     (["--buffer-size", "200", "--minibatch-size", "8"], "--buffer-size (200) must hold at least --num-steps (32)"),
-], ids=["buffer-below-batch", "ratio-zero", "ratio-fraction", "discrete", "minibatch-devices", "buffer-below-rollout"])
+], ids=["buffer-below-batch", "ratio-zero", "ratio-fraction", "discrete", "env-option", "minibatch-devices",
+        "buffer-below-rollout"])
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         sac.run_cli(sac.main, sac.Args, ["--env-id", "Pendulum-v1", *flags])

@@ -182,7 +182,8 @@ def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: boo
     seed = args.seed if seed is None else seed
     if video_folder is None:
         video_folder = f"videos/{args.run_name}"
-    options = {"env_options": args.env_options} if getattr(args, "env_options", None) else {}  # SAC has none
+    # a script copied from before --env-options has a make_env without them
+    options = {"env_options": args.env_options} if getattr(args, "env_options", None) else {}
     envs = module.make_env(args.env_id, seed, min(num_envs, eval_episodes),
                            render_mode="rgb_array" if capture_video else None, **options)
     policy = module.make_eval_policy(args, model, greedy)
