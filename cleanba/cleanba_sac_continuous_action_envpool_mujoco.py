@@ -679,7 +679,7 @@ def main(args: Args) -> int:
         actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
                      start_update=start_update, key=actor_key, actor_device=actor_device,
                      make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
-                                                                     num_threads=num_envpool_threads, env_options=args.env_options),
+                                                     num_threads=num_envpool_threads, env_options=args.env_options),
                      learner_devices=layout.learner_devices, params_queue=params_queues[-1],
                      rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
 

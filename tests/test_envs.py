@@ -247,7 +247,8 @@ def trained_and_random_returns(tmp_path, env_id: str, flags: list[str], script=P
     assert np.all(np.isfinite([v for _, v in scalars["losses/loss"]]))
     trained = float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
     random = env_families.random_policy_return(env_id, episodes=random_episodes, overrides=env_options)
-    print(f"{env_id}: evaluation {trained:.3f}, random policy {random:.3f}")  # shown with pytest -s or -rP
+    sps = scalars["charts/SPS"][-1][1]
+    print(f"{env_id}: evaluation {trained:.3f}, random policy {random:.3f}, {sps:.0f} SPS")  # pytest -s or -rP
     return trained, random
 
 
