@@ -1,6 +1,7 @@
-"""The env families of the seed systems (cleanrl_utils/envs.py): one run per family through the script a user runs for
-it (tags, version lag, exit 0, the saved model evaluated), --env-options, the one-line errors, the dict flattener,
-and learning on MiniGrid, DeepMind Control and Football against a random policy measured in the same test."""
+"""The env families of the seed systems (cleanrl_utils/envs.py): one tiny run per family through the script a user
+runs for it (tags, version lag, exit 0, the saved model evaluated), R2D2 and MuZero on each observation layout,
+--env-options, the one-line errors, the dict flattener, and learning on MiniGrid, DeepMind Control, Football,
+VizDoom and Procgen against a random policy measured in the same test."""
 
 import os
 import types
@@ -20,13 +21,15 @@ from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2
 TINY_IMAGE = ["--local-num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--channels", "4", "--hiddens", "16"]
 TINY_RUN = ["--num-actor-threads", "1", "--total-timesteps", "96", "--log-frequency", "1", "--save-model",
             "--eval-episodes", "1"]
-# family -> (script, example id, tiny flags): IMPALA on MiniGrid and Procgen, MuJoCo PPO on dm_control; the learning
-# tests below run the same checks for Football and VizDoom (with --env-options, which the saved model's evaluation
-# must rebuild: it fails on 84x84x12 frames otherwise)
+# family -> (script, example id, tiny flags): IMPALA on MiniGrid, Procgen and Football, PPO on VizDoom (with
+# --env-options, which the saved model's evaluation must rebuild: it fails on 84x84x12 frames otherwise), MuJoCo PPO
+# on dm_control; the learning tests below run the same checks on longer runs
 FAMILY_RUNS = {
     "minigrid": (IMPALA_SCRIPT, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "4", "--num-steps", "8",
                                                           "--num-minibatches", "2", "--hiddens", "16"]),
     "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
+    "football": (IMPALA_SCRIPT, "gfootball/academy_empty_goal_close-v1", TINY_IMAGE),
+    "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--env-options", "img_height=30", "img_width=45", "stack_num=1"]),
     "dm_control": (MUJOCO_SCRIPT, "CartpoleBalance-v1", ["--local-num-envs", "2", "--num-steps", "16", "--hiddens",
                                                          "8", "--num-minibatches", "2", "--update-epochs", "1"]),
 }
