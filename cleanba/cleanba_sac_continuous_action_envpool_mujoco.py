@@ -523,7 +523,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     action_dim = agent.actor.action_dim
 
     def init_replay():
-        item = Rollout(obs=jnp.zeros(env_spaces(args.env_id, args.env_options)[0].shape), actions=jnp.zeros(action_dim), rewards=jnp.float32(0),
+        obs_shape = env_spaces(args.env_id, args.env_options)[0].shape
+        item = Rollout(obs=jnp.zeros(obs_shape), actions=jnp.zeros(action_dim), rewards=jnp.float32(0),
                        terminations=jnp.float32(0), valid=jnp.bool_(False))
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(item)
