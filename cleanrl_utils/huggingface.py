@@ -17,7 +17,8 @@ from cleanrl_utils.run_folder import atomic_write
 
 
 def repo_name(env_id: str, exp_name: str, seed: int) -> str:
-    return f"{env_id}-{exp_name}-seed{seed}"
+    """The Hub repo's name (without its owner): one path part, so Football's "gfootball/..." ids get "-" there."""
+    return f"{env_id.replace('/', '-')}-{exp_name}-seed{seed}"
 
 
 def script_summary(script_path: str | Path) -> str:

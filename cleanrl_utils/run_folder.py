@@ -17,8 +17,8 @@ class RunFolder:
     def __init__(self, args, *, is_main_process: bool, default_name: str):
         """Sets `args.run_name` (default: `default_name` with process 0's time, the same in every process), then
         locks the run's folders (process 0; the others write only into the checkpoint folder process 0 locked)."""
-        if args.run_name is None:
-            args.run_name = f"{default_name}__{agreed_time()}"
+        if args.run_name is None:  # Football's ids hold a "/" (gfootball/...): one folder, so "-" for it
+            args.run_name = f"{default_name.replace('/', '-')}__{agreed_time()}"
         check_name(args.run_name, "run_name")  # the default holds --env-id and --exp-name
         self.locks = []
         if is_main_process:

@@ -78,6 +78,13 @@ def test_video_is_an_h264_mp4_of_env_0s_first_episode(saved_run):
     assert all(frame.std() > 10 for frame in frames)  # a drawn cart and pole, not blank frames
 
 
+def test_hub_repo_names_are_one_path_part():
+    from cleanrl_utils.huggingface import repo_name
+
+    assert repo_name("CartPole-v1", "ppo", 1) == "CartPole-v1-ppo-seed1"
+    assert repo_name("gfootball/academy_empty_goal_close-v1", "ppo", 1) == "gfootball-academy_empty_goal_close-v1-ppo-seed1"
+
+
 def test_model_card(saved_run):
     card = (saved_run.run_dir / "hub" / "README.md").read_text()
     _, front_matter, body = card.split("---\n", 2)

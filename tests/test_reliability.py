@@ -343,7 +343,11 @@ def test_run_folder_lock_name_and_atomic_write(tmp_path, monkeypatch):
     mine.release()
     RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x").release()  # free again
     with pytest.raises(UsageError, match="--run-name must be one folder name"):
-        RunFolder(Flags(), is_main_process=True, default_name="ALE/Pong")
+        RunFolder(Flags("runs/a"), is_main_process=True, default_name="x")
+    football = RunFolder(Flags(), is_main_process=True, default_name="gfootball/academy_empty_goal_close-v1__ppo__1")
+    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("gfootball")][0].startswith(
+        "gfootball-academy_empty_goal_close-v1__ppo__1__")
+    football.release()
     first.release()
     atomic_write("model", b"whole")
     assert (tmp_path / "model").read_bytes() == b"whole" and sorted(os.listdir(tmp_path)) == ["model", "runs",
