@@ -849,9 +849,8 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
 
 def state_summary(agent_state: TrainState, replay=None) -> str:
     """Digests of the learner's state for the console: equal digests, bitwise equal states. The replay's digest is
-    of this process's shards (each process holds those of its own envs)."""
-    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(
-        [shard.data for leaf in jax.tree.leaves(replay) for shard in leaf.addressable_shards])
+    of the whole replay, whatever its layout, the same in every process (each computes the part it holds)."""
+    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(replay)
     return (f"params sha256={tree_digest(agent_state.params)} optimizer sha256={tree_digest(agent_state.opt_state)}"
             f"{replay_digest}")
 

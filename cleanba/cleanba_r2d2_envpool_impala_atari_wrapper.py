@@ -226,6 +226,10 @@ def validate_args(args: Args):
     if args.burn_in >= args.sequence_length - 1:
         raise UsageError(f"--burn-in ({args.burn_in}) must be less than --sequence-length - 1 "
                          f"({args.sequence_length - 1}): a sequence learns its steps after the burn-in that have a next step")
+    if args.n_step > args.sequence_length - 1 - args.burn_in:  # a return stops at its sequence's end
+        raise UsageError(f"--n-step ({args.n_step}) must be at most --sequence-length - 1 - --burn-in "
+                         f"({args.sequence_length - 1 - args.burn_in}): no learned step of a sequence has more "
+                         "rewards after it, so a longer n would be ignored")
     if args.sequence_length > args.num_steps or args.num_steps % (args.sequence_length // 2) != 0:
         raise UsageError(f"--num-steps ({args.num_steps}) must be a multiple of --sequence-length / 2 "
                          f"({args.sequence_length // 2}) and at least --sequence-length ({args.sequence_length})")
@@ -853,10 +857,9 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
 
 def state_summary(agent_state: AgentState, replay=None) -> str:
     """Digests of the learner's state for the console: equal digests, bitwise equal states. The replay's digest is
-    of this process's shards (each process holds those of its own envs)."""
+    of the whole replay, whatever its layout, the same in every process (each computes the part it holds)."""
     params = (agent_state.online.params, agent_state.target_params)
-    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(
-        [shard.data for leaf in jax.tree.leaves(replay) for shard in leaf.addressable_shards])
+    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(replay)
     return f"params sha256={tree_digest(params)} optimizer sha256={tree_digest(agent_state.online.opt_state)}{replay_digest}"
 
 

@@ -636,12 +636,11 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
 
 def state_summary(agent_state: AgentState, replay=None) -> str:
     """Digests of the learner's state for the console: equal digests, bitwise equal states. The replay's digest is
-    of this process's shards (each process holds those of its own envs)."""
+    of the whole replay, whatever its layout, the same in every process (each computes the part it holds)."""
     params = (agent_state.actor.params, agent_state.critic.params, agent_state.target_critic_params,
               agent_state.log_alpha.params)
     optimizer = (agent_state.actor.opt_state, agent_state.critic.opt_state, agent_state.log_alpha.opt_state)
-    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(
-        [shard.data for leaf in jax.tree.leaves(replay) for shard in leaf.addressable_shards])
+    replay_digest = "" if replay is None else " replay sha256=" + tree_digest(replay)
     return f"params sha256={tree_digest(params)} optimizer sha256={tree_digest(optimizer)}{replay_digest}"
 
 

@@ -8,10 +8,14 @@ different folders stop at once with one line, instead of waiting forever for eac
 """
 
 import hashlib
+import logging
 import os
 import re
 import secrets
+import sys
+import tempfile
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -23,12 +27,41 @@ class CheckpointError(UsageError):
 
 
 def tree_digest(tree) -> str:
-    """sha256 of the leaves of a (replicated) tree as this process holds them: equal digests, equal states."""
+    """sha256 of the leaves of a tree as whole arrays, the same however they are laid out over devices and processes
+    (and whatever sharding spec describes the layout): equal digests, equal states, on any layout. Each leaf is hashed
+    slice by slice along its first axis of more than one element (a replay's env or item axis, the axis a sharded
+    leaf must be split along), where each slice lives; a process that lacks slices (a sharded leaf) gathers their
+    32-byte hashes from the others, not the data. With several processes every process must call it at the same
+    point (it is a collective), as `Checkpoints` and the scripts' final lines do."""
     import jax
 
-    leaves = jax.tree.leaves(jax.tree.map(
-        lambda x: np.asarray(x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x), tree))
-    return hashlib.sha256(b"".join(leaf.tobytes() for leaf in leaves)).hexdigest()
+    return hashlib.sha256(b"".join(_leaf_digest(leaf) for leaf in jax.tree.leaves(tree))).hexdigest()
+
+
+def _leaf_digest(x) -> bytes:
+    shape = np.shape(x)
+    axis = next((axis for axis, size in enumerate(shape) if size > 1), None)
+    if axis is None:  # one element, or none
+        data = x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x
+        return hashlib.sha256(np.asarray(data).tobytes()).digest()
+    slice_digests, held = np.zeros((shape[axis], 32), np.uint8), np.zeros(shape[axis], bool)
+    shards = x.addressable_shards if hasattr(x, "addressable_shards") else [None]
+    for shard in shards:
+        data = np.asarray(x if shard is None else shard.data)
+        if any(data.shape[other] != shape[other] for other in range(len(shape)) if other != axis):
+            raise ValueError(f"tree_digest: a leaf of shape {shape} split along another axis than {axis}")
+        start = 0 if shard is None else shard.index[axis].start or 0
+        for i, piece in enumerate(np.moveaxis(data, axis, 0)):
+            slice_digests[start + i] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(piece).tobytes()).digest(),
+                                                     np.uint8)
+        held[start : start + data.shape[axis]] = True
+    if not (shard is None or x.is_fully_addressable or x.is_fully_replicated):  # the same test in every process
+        from jax.experimental import multihost_utils
+
+        all_digests, all_held = multihost_utils.process_allgather((slice_digests, held))
+        slice_digests, held = all_digests[all_held.argmax(0), np.arange(shape[axis])], all_held.any(0)
+    assert held.all(), "every slice is held by some device"
+    return hashlib.sha256(slice_digests.tobytes()).digest()
 
 
 def os_error_in(error: BaseException) -> OSError | None:
@@ -78,6 +111,53 @@ def check_shared_folder(path: str):
                          "working directory or give --checkpoint-dir a path on a shared file system")
 
 
+def _learner_devices(leaves) -> int:
+    """The devices of the mesh the state is laid out on (1 for a state of host arrays)."""
+    from jax.sharding import NamedSharding
+
+    return max((leaf.sharding.mesh.size for leaf in leaves if isinstance(getattr(leaf, "sharding", None),
+                                                                           NamedSharding)), default=1)
+
+
+def check_shapes(meta: dict, leaves: list, path: str):
+    """A checkpoint restores into any device layout of the same shapes (orbax re-shards). A state whose shapes depend
+    on the number of learner devices (R2D2's replay keeps one priority tree per device) resumes only on as many."""
+    if "shapes" not in meta or meta["shapes"] == [list(np.shape(leaf)) for leaf in leaves]:
+        return
+    stored, here = meta["learner_devices"], _learner_devices(leaves)
+    if stored != here:
+        raise CheckpointError(
+            f"--learner-device-ids: checkpoint {path} was made on {stored} learner devices (over all processes), this "
+            f"run has {here}, and this script's state is shaped by their number (a replay of one part per device "
+            f"that cannot be re-sharded): resume on {stored} learner devices (--learner-device-ids x processes)")
+    raise CheckpointError(f"--resume: checkpoint {path} holds a state of other shapes than this run's (made by another "
+                          "version of the script?); use another --run-name")
+
+
+@contextmanager
+def _stderr_held():
+    """A failed write fails in each of orbax's writer threads, and each prints its own traceback (absl logs, and
+    tensorstore callbacks that reach a closed event loop), at the C level too: what is printed to stderr during a
+    write is held, printed after a write that succeeded and dropped after one that failed (its RunError is the run's
+    one line; asyncio's "exception was never retrieved" of the abandoned tasks, at exit, is filtered by save)."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        succeeded = False
+        try:
+            yield
+            succeeded = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            if succeeded:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
+                sys.stderr.flush()
+
+
 class Checkpoints:
     def __init__(self, args, world_size: int):
         import orbax.checkpoint as ocp
@@ -96,25 +176,35 @@ class Checkpoints:
         """The state (any tree of arrays and PRNG keys) after `update` (unless it is saved already) with its digest.
         orbax writes to a temporary folder and renames it when complete: a crash mid-write leaves no checkpoint that
         looks valid. `summary` (digests) is printed. Disk full, permission denied: a RunError naming the folder."""
+        import jax
         import orbax.checkpoint as ocp
 
         if update == self.manager.latest_step():
             return
         start, global_step = time.time(), update * args.batch_size
         state = _keys_to_data(state)
+        leaves = jax.tree.leaves(state)
+        # the digest of the whole state (any layout) and what its shapes were made for: checked at restore
         meta = {"args": settable_flags(args), "update": update, "global_step": global_step,
-                "digest": tree_digest(state)}
+                "state_sha256": tree_digest(state), "shapes": [list(np.shape(leaf)) for leaf in leaves],
+                "learner_devices": _learner_devices(leaves)}
         try:
-            self.manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                              meta=ocp.args.JsonSave(meta)))
-            self.manager.wait_until_finished()
+            with _stderr_held():
+                try:
+                    self.manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                                      meta=ocp.args.JsonSave(meta)))
+                finally:
+                    self.manager.wait_until_finished()  # a failed write's other threads end here too
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore wrap the OS error in their own types
             cause = os_error_in(error)
             code = re.search(r"os_error_code='(\d+)'", str(error))  # tensorstore's errors carry errno as text
             cause = (cause.strerror if cause is not None and cause.strerror else os.strerror(int(code.group(1)))
                      if code else str(error).splitlines()[0][:200])
-            raise RunError(f"cannot write checkpoint {update} into {self.directory}: {cause}; the last complete "
-                           f"checkpoint ({self.manager.latest_step()}) is intact") from None
+            logging.getLogger("asyncio").addFilter(lambda record: "never retrieved" not in record.getMessage())
+            last = self.manager.latest_step()
+            raise RunError(f"cannot write checkpoint {update} into {self.directory}: {cause}; " + (
+                f"the last complete checkpoint ({last}) is intact" if last is not None else
+                "no checkpoint of this run is complete yet")) from None
         print(f"checkpoint saved: update={update} global_step={global_step} {summary} in {time.time() - start:.2f}s",
               flush=True)
 
@@ -143,7 +233,9 @@ class Checkpoints:
                     raise CheckpointError(
                         f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run has "
                         f"{value}; use the checkpoint's value or another --run-name")
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _keys_to_data(state))
+            template = _keys_to_data(state)
+            check_shapes(meta, jax.tree.leaves(template), path)
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
             restored = self.manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         except CheckpointError:
             raise
@@ -151,7 +243,8 @@ class Checkpoints:
             raise CheckpointError(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
                                   f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
                                   "from an older one") from None
-        if "digest" in meta and tree_digest(restored["state"]) != meta["digest"]:
+        # (checkpoints of earlier versions saved the digest of one shard as "digest": not comparable, not checked)
+        if "state_sha256" in meta and tree_digest(restored["state"]) != meta["state_sha256"]:
             raise CheckpointError(f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
                                   "saved with it); delete it to resume from an older one")
         restored = jax.tree.map(lambda template, x: jax.random.wrap_key_data(x) if _is_key(template) else x,

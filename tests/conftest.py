@@ -1,6 +1,7 @@
 """Shared helpers: run a cleanba script the way a user does (a subprocess), and read what it wrote."""
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -155,6 +156,62 @@ def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[s
     result["resumed"] = finish_script(resumed, workdir, "stopped")
     result["resumed_again"] = finish_script(resumed_again, copy, "stopped")
     return result
+
+
+def resumes_on_other_layouts(tmp_path_factory, name: str, script: Path, flags: list[str], two: Path) -> dict:
+    """Resumes of a replay script's checkpoints on other layouts, from a finished two-process run (`flags` with
+    --actor-device-ids 0 --learner-device-ids 1 in each process: 2 learner devices; run folder `two`, checkpoints
+    after every update, the 3 newest kept: U - 2, U - 1, U). "fewer": U - 2 resumed by one process on one learner
+    device (two actor devices keep the batch), which saves U - 1 and U; "more": a U - 1 resumed by two processes again
+    (the one "fewer" saved, or the two-process run's own where "fewer" refused).
+    Returns {"fewer": Run, "more": [(exit code, stdout, stderr)] of each process}."""
+    checkpoints = sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit())
+
+    def copy_without(source: Path, folder: str, newest: int) -> Path:
+        workdir = tmp_path_factory.mktemp(f"{name}_{folder}")
+        shutil.copytree(source, workdir / "runs" / "two")
+        for update in checkpoints[-newest:]:
+            shutil.rmtree(workdir / "runs" / "two" / "checkpoints" / str(update))
+        return workdir
+
+    fewer_dir = copy_without(two, "fewer", newest=2)
+    one_process = [*flags, "--actor-device-ids", "0", "1", "--learner-device-ids", "2"]  # the last value counts
+    result = {"fewer": finish_script(start_script(one_process, fewer_dir, "two", script), fewer_dir, "two")}
+    more_from = fewer_dir / "runs" / "two" if result["fewer"].returncode == 0 else two
+    result["more"] = finish_processes(start_processes(flags, copy_without(more_from, "more", newest=1), 2, "two",
+                                                      script=script))
+    return result
+
+
+def assert_resumes_on_other_layouts(runs: dict, digests: re.Pattern, refused: str | None = None):
+    """The checks of `resumes_on_other_layouts`'s runs: each resume starts from the state that was saved, bit for bit
+    (`digests`: the groups of a state's digests); the two processes of "more" end with the same state. `refused`:
+    the start of the one error line with which "fewer" must stop (exit code 2), for a state that cannot move."""
+    def saved(out: str, update: int) -> tuple:
+        return digests.search(re.search(rf"checkpoint saved: update={update} .*", out).group(0)).groups()
+
+    def resumed(out: str, update: int) -> tuple:
+        return digests.search(re.search(rf"resumed from checkpoint: update={update} .*", out).group(0)).groups()
+
+    two = runs["two"][0][1]
+    newest = [int(update) for update in re.findall(r"checkpoint saved: update=(\d+)", two)][-3:]  # U - 2, U - 1, U
+    fewer = runs["fewer"]
+    if refused is None:
+        assert fewer.returncode == 0, fewer.stderr[-3000:]
+        assert resumed(fewer.stdout, newest[0]) == saved(two, newest[0])
+        source = fewer.stdout
+    else:
+        assert fewer.returncode == 2, fewer.stderr[-3000:]
+        errors = [line for line in fewer.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and errors[0].startswith(refused), fewer.stderr[-3000:]
+        assert "Traceback" not in fewer.stderr
+        source = two
+    finals = []
+    for code, out, err in runs["more"]:
+        assert code == 0, err[-3000:]
+        assert resumed(out, newest[1]) == saved(source, newest[1])
+        finals.append(digests.search(out.split("final ")[-1]).groups())
+    assert finals[0] == finals[1], "the processes' states differ"
 
 
 def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:

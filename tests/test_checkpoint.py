@@ -1,12 +1,21 @@
 """Never lose a run: periodic checkpoints, SIGTERM/Ctrl-C checkpoint and exit, resume, bad checkpoints."""
 
+import dataclasses
 import re
 import shutil
 import signal
 import subprocess
 import time
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
 from conftest import read_scalars, run_script, script_command, script_env, wait_for_line
+from test_utils import TinyArgs
 
 # 12 updates of 128 steps; a checkpoint every 3 updates, the 2 newest kept
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
@@ -118,3 +127,62 @@ def test_an_unfinished_checkpoint_write_is_ignored(workdir):
     resumed = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")
     assert resumed.returncode == 0, resumed.stderr
     assert RESUMED.search(resumed.stdout).group(1) == "3"
+
+
+# ---------------------------------------------------------------- digests and layouts (in-process, 4 host devices)
+
+
+def sharded(values, num_devices: int, spec=("batch",)):
+    """`values` laid out over the first `num_devices` host devices, split along the axis `spec` names."""
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+    return jax.device_put(values, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def test_digest_is_of_the_whole_array_on_any_layout():
+    rows = np.arange(48, dtype=np.float32).reshape(4, 3, 4)
+    # the env axis of a replay: first (SAC, MuZero), or second after an axis of one (R2D2's item buffer); on one
+    # device jit may hand back P() for P("batch"): the same layout, so the same digest
+    for values, spec in [(rows, ("batch",)), (rows[None], (None, "batch"))]:
+        digests = {tree_digest({"x": sharded(values, n, spec)}) for n in (1, 2, 4)} | {tree_digest(sharded(values, 1, ()))}
+        assert len(digests) == 1, spec
+    flipped = rows.copy()
+    flipped[3, 2, 1] = np.nextafter(flipped[3, 2, 1], np.float32(100))  # in the second device's half
+    assert tree_digest(sharded(flipped, 2)) != tree_digest(sharded(rows, 2))
+    assert tree_digest(sharded(flipped, 1)) == tree_digest(sharded(flipped, 4)) == tree_digest(flipped)
+
+
+def test_a_sharded_state_resumes_on_fewer_and_more_devices_and_a_flipped_bit_anywhere_is_refused(tmp_path):
+    args = dataclasses.replace(TinyArgs(), checkpoint_dir=str(tmp_path / "checkpoints"))
+    replay = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+    Checkpoints(args, 1).save(2, {"replay": sharded(replay, 2)}, args, summary="")
+    for num_devices in (1, 4):  # fewer and more learner devices than the checkpoint's 2: re-sharded by orbax
+        restored, update = Checkpoints(args, 1).restore({"replay": sharded(np.zeros_like(replay), num_devices)}, args,
+                                                        summary=tree_digest)
+        assert update == 2 and np.array_equal(np.asarray(restored["replay"]), replay)
+        assert len(restored["replay"].sharding.device_set) == num_devices
+
+    # one bit of the second device's rows changes in storage (the files stay readable): refused with one line
+    damaged = replay.copy()
+    damaged.view(np.uint32)[3, 5] ^= 1
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "damaged", {"replay": sharded(damaged, 2)})
+    checkpointer.wait_until_finished()
+    state_folder = tmp_path / "checkpoints" / "2" / "state"
+    shutil.rmtree(state_folder)
+    shutil.copytree(tmp_path / "damaged", state_folder)
+    with pytest.raises(CheckpointError, match=r"checkpoint .*/2 is corrupted \(its state does not match the digest"):
+        Checkpoints(args, 1).restore({"replay": sharded(np.zeros_like(replay), 2)}, args, summary=str)
+
+
+def test_a_state_shaped_by_the_device_count_names_the_count_it_needs(tmp_path):
+    """R2D2's replay keeps one priority tree per learner device: its shapes depend on their number."""
+    args = dataclasses.replace(TinyArgs(), checkpoint_dir=str(tmp_path / "checkpoints"))
+    Checkpoints(args, 1).save(2, {"trees": sharded(np.ones(2 * 7, np.float32), 2)}, args, summary="")
+    for num_devices in (1, 4):
+        with pytest.raises(CheckpointError, match=rf"^--learner-device-ids: checkpoint .*/2 was made on 2 learner "
+                                                  rf"devices \(over all processes\), this run has {num_devices}, .*"
+                                                  r"resume on 2 learner devices"):
+            Checkpoints(args, 1).restore({"trees": sharded(np.ones(num_devices * 5, np.float32), num_devices)}, args,
+                                         summary=str)
+    with pytest.raises(CheckpointError, match=r"holds a state of other shapes than this run's"):
+        Checkpoints(args, 1).restore({"trees": sharded(np.ones(2 * 5, np.float32), 2)}, args, summary=str)

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import (MUZERO_SCRIPT, finish_processes, finish_script, load_script, run_script, same_seed_and_resumed_runs,
-                      start_processes, start_script)
+from conftest import (MUZERO_SCRIPT, assert_resumes_on_other_layouts, finish_processes, finish_script, load_script,
+                      resumes_on_other_layouts, run_script, same_seed_and_resumed_runs, start_processes, start_script)
 
 muzero = load_script(MUZERO_SCRIPT)
 
@@ -235,8 +235,9 @@ def runs(tmp_path_factory):
                              "--learner-device-ids", *learners, "--search", "muzero" if name == "a0-l0" else "gumbel"],
                             workdir, name) for name, learners in layouts.items()}
     result["breakout"] = {name: finish_script(process, workdir, name) for name, process in breakout.items()}
-    result["two"] = finish_processes(start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes",
-                                                      "1"], workdir, 2, run_name="two", script=MUZERO_SCRIPT), timeout=400)
+    two = [*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "1", "--checkpoint-frequency", "1"]
+    result["two"] = finish_processes(start_processes(two, workdir, 2, run_name="two", script=MUZERO_SCRIPT), timeout=400)
+    result.update(resumes_on_other_layouts(tmp_path_factory, "muzero", MUZERO_SCRIPT, two, workdir / "runs" / "two"))
     return result
 
 
@@ -289,7 +290,11 @@ def test_two_processes_keep_identical_params(runs):
     params0, optimizer0, replay0 = final_digests(out0)
     params1, optimizer1, replay1 = final_digests(out1)
     assert (params0, optimizer0) == (params1, optimizer1), "learner replicas diverged"
-    assert replay0 != replay1  # each process keeps the replay of its own envs
+    assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
+
+
+def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
+    assert_resumes_on_other_layouts(runs, DIGESTS)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -13,8 +13,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import (R2D2_SCRIPT, REPO, Run, finish_processes, finish_script, load_script, run_script,
-                      same_seed_and_resumed_runs, script_command, start_processes, start_script)
+from conftest import (R2D2_SCRIPT, REPO, Run, assert_resumes_on_other_layouts, finish_processes, finish_script,
+                      load_script, resumes_on_other_layouts, run_script, same_seed_and_resumed_runs, script_command,
+                      start_processes, start_script)
 
 OBSERVATION_MASK = REPO / "tests" / "observation_mask.py"
 r2d2 = load_script(R2D2_SCRIPT)
@@ -290,8 +291,10 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
     (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (10240) must be a positive whole"),
     (["--buffer-size", "400"], "--buffer-size (400) must hold the sequences of one update and one minibatch"),
     (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1'"),
+    (["--n-step", "50", "--sequence-length", "8", "--burn-in", "2"],
+     "--n-step (50) must be at most --sequence-length - 1 - --burn-in (5): no learned step"),
 ], ids=["burn-in", "sequence-over-rollout", "rollout-not-multiple", "odd-sequence", "core", "ratio-fraction",
-        "buffer-small", "continuous"])
+        "buffer-small", "continuous", "n-step-over-sequence"])
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         r2d2.run_cli(r2d2.main, r2d2.Args, ["--env-id", "CartPole-v1", *flags])
@@ -332,8 +335,9 @@ def runs(tmp_path_factory):
         tmp_path_factory, "r2d2_resumed", start,
         flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],  # 8 updates: 2 fill the replay, 6 learn
         long=[*TINY, "--total-timesteps", "384", "--seed", "3"]))  # 12 updates: SIGTERM after the 4th
-    result["two"] = finish_processes(start_processes([*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes",
-                                                      "2"], workdir, 2, run_name="two", script=R2D2_SCRIPT))
+    two = [*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "2", "--checkpoint-frequency", "1"]
+    result["two"] = finish_processes(start_processes(two, workdir, 2, run_name="two", script=R2D2_SCRIPT))
+    result.update(resumes_on_other_layouts(tmp_path_factory, "r2d2", R2D2_SCRIPT, two, workdir / "runs" / "two"))
     return result
 
 
@@ -392,7 +396,14 @@ def test_two_processes_keep_identical_params(runs):
     params0, optimizer0, replay0 = final_digests(out0)
     params1, optimizer1, replay1 = final_digests(out1)
     assert (params0, optimizer0) == (params1, optimizer1), "learner replicas diverged"
-    assert replay0 != replay1  # each process keeps the replay of its own envs
+    assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
+
+
+def test_a_replay_with_a_priority_tree_per_device_resumes_on_as_many_and_on_other_processes(runs):
+    """One sum tree per learner device: on one device the checkpoint of two is refused with the count it needs; two
+    processes resume it (the same two devices)."""
+    assert_resumes_on_other_layouts(runs, DIGESTS, refused="error: --learner-device-ids: checkpoint ")
+    assert "was made on 2 learner devices (over all processes), this run has 1" in runs["fewer"].stderr
 
 
 # ---------------------------------------------------------------- learning on CartPole-v1, with and without memory

@@ -12,7 +12,8 @@ import scipy.stats
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import (SAC_SCRIPT, finish_processes, load_script, run_script, same_seed_and_resumed_runs, start_processes,
+from conftest import (SAC_SCRIPT, assert_resumes_on_other_layouts, finish_processes, load_script,
+                      resumes_on_other_layouts, run_script, same_seed_and_resumed_runs, start_processes,
                       start_script)
 
 sac = load_script(SAC_SCRIPT)
@@ -198,8 +199,9 @@ def runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sac_two")
     # dm_control (dict observations) here, with the saved model evaluated by process 0
     dm_control = [*TINY[2:], "--env-id", "CheetahRun-v1", "--save-model", "--eval-episodes", "1"]
-    result["two"] = finish_processes(start_processes([*dm_control, "--total-timesteps", "256"], workdir, 2,
-                                                     run_name="two", script=SAC_SCRIPT))
+    two = [*dm_control, "--total-timesteps", "256", "--checkpoint-frequency", "1"]  # 4 updates
+    result["two"] = finish_processes(start_processes(two, workdir, 2, run_name="two", script=SAC_SCRIPT))
+    result.update(resumes_on_other_layouts(tmp_path_factory, "sac", SAC_SCRIPT, two, workdir / "runs" / "two"))
     return result
 
 
@@ -238,7 +240,11 @@ def test_two_processes_keep_identical_params(runs):
     params0, optimizer0, replay0 = final_digests(out0)
     params1, optimizer1, replay1 = final_digests(out1)
     assert (params0, optimizer0) == (params1, optimizer1), "learner replicas diverged"
-    assert replay0 != replay1  # each process keeps the replay of its own envs
+    assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
+
+
+def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
+    assert_resumes_on_other_layouts(runs, DIGESTS)
 
 
 @pytest.mark.parametrize("flags,message", [
