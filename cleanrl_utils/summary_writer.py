@@ -36,36 +36,44 @@ def finish_rewrite(logdir: str):
 
 
 def rewrite_events(logdir: str, keep_up_to_step: int):
-    """The run's event files become one file that holds their scalars up to `keep_up_to_step`, each step once (from
-    the newest file that has it), crash-safe: the new file is written under a temporary name, then a journal
-    (written atomically) says which name it takes and which files go; a kill anywhere leaves either the old files
-    or, after `finish_rewrite` (at the next start), the new one alone."""
+    """The run's event files become one file that holds what they logged up to `keep_up_to_step`, each step of
+    each tag once (from the newest file that has it), crash-safe: the new file is written under a temporary name,
+    then a journal (written atomically) says which name it takes and which files go; a kill anywhere leaves either
+    the old files or, after `finish_rewrite` (at the next start), the new one alone."""
     finish_rewrite(logdir)
     earlier_files = sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")))
     if not earlier_files:
         return
-    steps = {}  # step -> its records, from the newest file that logged it
+    # by step and tag, not by step alone: a file that logged other tags at the same steps (an earlier tool's, a
+    # second writer's) must not replace the run's values there, and a value logged twice is kept once
+    events, newest = [], {}  # newest: (step, tag) -> (event number, value number) of its newest value
     for path in earlier_files:
-        in_file = {}
         for record in RawEventFileLoader(path).Load():  # raw: EventFileLoader would convert the values
             event = event_pb2.Event.FromString(record)
             if event.HasField("summary") and keep_up_to_step > 0 and event.step <= keep_up_to_step:
-                in_file.setdefault(event.step, []).append(record)
-        steps.update(in_file)
+                for i, value in enumerate(event.summary.value):
+                    newest[event.step, value.tag] = len(events), i
+                events.append(event)
     with open(os.path.join(logdir, REWRITTEN), "wb") as file:
         records = RecordWriter(file)
         records.write(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-        for step in sorted(steps):
-            for record in steps[step]:
-                records.write(record)
+        for n in sorted(range(len(events)), key=lambda n: events[n].step):  # stable: a step's events in file order
+            event = events[n]
+            values = [value for i, value in enumerate(event.summary.value) if newest[event.step, value.tag] == (n, i)]
+            if values:
+                records.write(event_pb2.Event(wall_time=event.wall_time, step=event.step,
+                                              summary=summary_pb2.Summary(value=values)).SerializeToString())
         file.flush()
         os.fsync(file.fileno())
-    # the oldest name with a new suffix: it sorts before the new run's file (TensorBoard reads files in order)
+    # the oldest name with a new suffix: it sorts before the new run's file (TensorBoard reads files in order); a
+    # name no file has, as the files the journal lists are removed after the rename
     oldest = os.path.basename(earlier_files[0])
     generation = re.search(r"\.rewrite(\d+)$", oldest)
-    final = f"{oldest[:generation.start()] if generation else oldest}.rewrite{int(generation.group(1)) + 1 if generation else 1}"
+    base, number = (oldest[:generation.start()], int(generation.group(1)) + 1) if generation else (oldest, 1)
+    while os.path.exists(os.path.join(logdir, f"{base}.rewrite{number}")):
+        number += 1
     atomic_write(os.path.join(logdir, JOURNAL), json.dumps({
-        "final": final, "remove": [os.path.basename(path) for path in earlier_files]}).encode())
+        "final": f"{base}.rewrite{number}", "remove": [os.path.basename(path) for path in earlier_files]}).encode())
     finish_rewrite(logdir)
 
 

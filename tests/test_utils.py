@@ -1,8 +1,10 @@
 """cleanrl_utils alone: flags, queues and actor threads, checkpoints, preemption, device layout, logging."""
 
 import dataclasses
+import os
 import queue
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import tyro
 
+from cleanrl_utils import summary_writer
 from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
 from cleanrl_utils.devices import device_layout, learner_loop, replicate
 from cleanrl_utils.flags import RunSetting, UsageError, check_flags, computation_flags, run_cli, settable_flags
@@ -242,3 +245,74 @@ def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, mon
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["update=2/3", "update=3/3"]  # every 2nd update and the last
     assert "avg_episodic_return=1.00 actor_policy_version=1 learner_policy_version=1" in lines[0]
+
+
+def event_file(path, steps: dict[int, dict]):
+    """An event file named `path`, written by the project's writer: at each step, its scalars."""
+    with tempfile.TemporaryDirectory() as scratch:
+        writer = summary_writer.SummaryWriter(scratch, use_wandb=False, resume_step=0)
+        for step, scalars in steps.items():
+            writer.add_scalars(scalars, step)
+        writer.close()
+        os.replace(writer.path, path)
+
+
+# a second writer's event file, by where its name sorts among the run's own (events.out.tfevents.1000000100...)
+SECOND_WRITER = {"sorts first": "events.out.tfevents.0000000001.tool",
+                 "sorts between": "events.out.tfevents.1000000150.tool",
+                 "sorts last": "events.out.tfevents.9999999999.tool",  # after the next run's own file too
+                 "named like the rewrite": "events.out.tfevents.1000000100.host.1.0.rewrite1"}
+
+
+@pytest.mark.parametrize("generation", [1, 2])
+@pytest.mark.parametrize("second_writer", SECOND_WRITER)
+def test_a_kill_at_any_point_of_the_event_rewrite_keeps_every_files_steps_once(tmp_path, monkeypatch, second_writer,
+                                                                                 generation):
+    """A resumed run rewrites its folder's event files (its own and a second writer's, which logged another tag at
+    the same steps) and is killed at each file operation of the rewrite in turn, then at none; the next start
+    (a new writer) keeps every file's values up to the checkpoint's step, each step of each tag once."""
+    class Killed(BaseException):
+        pass
+
+    for kill_at in range(1, 100):
+        folder = tmp_path / str(kill_at)
+        folder.mkdir()
+        event_file(folder / "events.out.tfevents.1000000100.host.1.0",  # updates 1..7, checkpoint 6
+                   {step: {"losses/loss": step} for step in range(1, 8)})
+        event_file(folder / SECOND_WRITER[second_writer],  # steps 1..3, and losses/loss at step 2 again
+                   {1: {"eval/return": 1}, 2: {"eval/return": 2, "losses/loss": 200}, 3: {"eval/return": 3}})
+        resume_step = 6
+        if generation == 2:  # resumed at 6 (the files rewritten once), updates 7..9, checkpoint 8
+            summary_writer.rewrite_events(str(folder), resume_step)
+            event_file(folder / "events.out.tfevents.1000000200.host.2.0",
+                       {step: {"losses/loss": step} for step in range(7, 10)})
+            resume_step = 8
+        operations = [0]
+
+        def killing(operation):
+            def killed_at_the_kth_call(*args, **kwargs):
+                operations[0] += 1
+                if operations[0] == kill_at:
+                    raise Killed
+                return operation(*args, **kwargs)
+            return killed_at_the_kth_call
+
+        with monkeypatch.context() as patch:
+            for name in ["fsync", "replace", "remove"]:
+                patch.setattr(os, name, killing(getattr(os, name)))
+            try:
+                summary_writer.rewrite_events(str(folder), resume_step)  # the resumed run's start
+                killed = False
+            except Killed:
+                killed = True
+        writer = summary_writer.SummaryWriter(str(folder), use_wandb=False, resume_step=resume_step)  # the next start
+        writer.add_scalars({"losses/loss": resume_step + 1}, resume_step + 1)
+        writer.close()
+        # at step 2 the newest file's losses/loss (by name: TensorBoard's order too)
+        newest_at_2 = 2 if second_writer == "sorts first" else 200
+        assert read_scalars(folder) == {
+            "losses/loss": [(step, newest_at_2 if step == 2 else step) for step in range(1, resume_step + 2)],
+            "eval/return": [(1, 1), (2, 2), (3, 3)]}, (kill_at, sorted(p.name for p in folder.iterdir()))
+        if not killed:
+            break
+    assert kill_at > 6  # the temporary file, the journal, the rename and each removal were crash points
