@@ -49,7 +49,7 @@ from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layo
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
-from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
+from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_int32_counts, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
@@ -629,6 +629,7 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     if args.num_updates < 1:
         raise UsageError(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
                          "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
+    check_int32_counts(args, {"optimizer steps": ("--num-minibatches", args.num_minibatches)})  # the schedule's count
 
 
 def state_summary(agent_state: TrainState) -> str:

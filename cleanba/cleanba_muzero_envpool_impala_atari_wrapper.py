@@ -54,11 +54,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.devices import (DeviceLayout, check_replay_fits, copies_for_devices, device_layout,
+                                   envpool_num_threads, local_value, replicate, shutdown)
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
-from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
+from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_int32_counts, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
@@ -721,6 +722,14 @@ def make_replay_buffer(args: Args, num_learner_devices: int, global_envs: int, l
         max_length_time_axis=args.buffer_size // global_envs)
 
 
+def replay_item(args: Args) -> Rollout:
+    """One row of one env as the replay stores it."""
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
+    return Rollout(obs=jnp.zeros(obs_space.shape, obs_space.dtype), actions=jnp.int32(0),
+                   action_weights=jnp.zeros(int(action_space.n)), root_values=jnp.float32(0), rewards=jnp.float32(0),
+                   terminations=jnp.float32(0), truncations=jnp.float32(0), valid=jnp.bool_(False))
+
+
 def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices; each device keeps
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
@@ -734,13 +743,9 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/reward_loss"]
 
     def init_replay():
-        obs_space, action_space = env_spaces(args.env_id, args.env_options)
-        item = Rollout(obs=jnp.zeros(obs_space.shape, obs_space.dtype), actions=jnp.int32(0),
-                       action_weights=jnp.zeros(int(action_space.n)), root_values=jnp.float32(0),
-                       rewards=jnp.float32(0), terminations=jnp.float32(0), truncations=jnp.float32(0),
-                       valid=jnp.bool_(False))
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
-        return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(item)
+        return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init,
+                       out_shardings=shardings)(replay_item(args))
 
     def loss_fn(params, sequences: Rollout, normalizer):
         targets = unroll_targets(sequences, unroll_steps=args.unroll_steps, td_steps=args.td_steps, gamma=args.gamma)
@@ -845,6 +850,9 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
         raise UsageError(f"--buffer-size ({args.buffer_size}) must hold at least max(--num-steps, --unroll-steps + "
                          f"--td-steps + 1) = {max(args.num_steps, sequence_length(args))} steps of each of the "
                          f"{global_envs} envs: the sampled sequences are longer than the stored ones ({rows} rows)")
+    check_int32_counts(args, {"gradient steps": ("--replay-ratio x env steps per update", args.gradient_steps)})
+    check_replay_fits(args.buffer_size, make_replay_buffer(args, num_learner_devices, global_envs, local=True).init,
+                      replay_item(args), layout.learner_devices, new_rows=max(args.num_steps, sequence_length(args)))
 
 
 def state_summary(agent_state: TrainState, replay=None) -> str:

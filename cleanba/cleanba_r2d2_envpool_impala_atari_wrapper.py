@@ -56,11 +56,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.devices import (DeviceLayout, check_replay_fits, copies_for_devices, device_layout,
+                                   envpool_num_threads, local_value, replicate, shutdown)
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
-from cleanrl_utils.flags import RunSetting, UsageError, check_choice, check_flags, check_run_flags, run_cli
+from cleanrl_utils.flags import (INT32_MAX, RunSetting, UsageError, check_choice, check_flags, check_int32_counts,
+                                 check_run_flags, run_cli)
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
@@ -151,7 +153,7 @@ class Args:
     """the first steps of a sampled sequence that only warm the LSTM up (R2D2 Table 1: 40) (non-negative, less
     than --sequence-length - 1)"""
     target_update_period: int = 2500
-    """gradient steps between copies of the online network into the target network (R2D2 Table 1: 2500) (positive)"""
+    """gradient steps between copies of the online network into the target network (R2D2 Table 1: 2500) (in [1, 2**31 - 1])"""
     priority_exponent: float = 0.9
     """alpha: sequences are sampled with probability priority^alpha (R2D2 Table 1: 0.9) (in [0, 1])"""
     importance_exponent: float = 0.6
@@ -217,7 +219,8 @@ def validate_args(args: Args):
                 non_negative_ints=["learning_starts", "burn_in"],
                 positive=["learning_rate", "adam_eps", "replay_ratio"],
                 unit_interval=["gamma", "priority_exponent", "importance_exponent", "priority_eta"],
-                positive_int_lists=["channels", "hiddens"], ranges={"total_timesteps": (1, 2**53)})
+                positive_int_lists=["channels", "hiddens"],
+                ranges={"total_timesteps": (1, 2**53), "target_update_period": (1, INT32_MAX)})  # int32 in jit
     check_choice("core", args.core, CORES)
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
@@ -716,6 +719,16 @@ def make_replay_buffer(args: Args, num_learner_devices: int):
         device=jax.default_backend() if jax.default_backend() in ("cpu", "gpu", "tpu") else "cpu")
 
 
+def replay_item(args: Args) -> Sequences:
+    """One sequence as the replay stores it: --sequence-length rows and the LSTM state before them."""
+    obs_space, _ = env_spaces(args.env_id, args.env_options)
+    length, obs_dtype = args.sequence_length, jnp.uint8 if obs_space.dtype == np.uint8 else jnp.float32
+    return Sequences(obs=jnp.zeros((length, *obs_space.shape), obs_dtype), actions=jnp.zeros(length, jnp.int32),
+                     rewards=jnp.zeros(length), terminations=jnp.zeros(length), truncations=jnp.zeros(length),
+                     valid=jnp.zeros(length, bool), episode_starts=jnp.zeros(length, bool),
+                     start_cells=jnp.zeros(args.lstm_size), start_hiddens=jnp.zeros(args.lstm_size))
+
+
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices; each device keeps
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
@@ -724,12 +737,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     minibatch_specs = Minibatch(Sequences(*([sharded_samples] * len(Sequences._fields))), sharded_samples)
     num_devices, capacity = mesh.devices.size, replay_capacity(args, mesh.devices.size)
     local_buffer = make_replay_buffer(args, num_devices)
-    obs_space, _ = env_spaces(args.env_id, args.env_options)
-    length = args.sequence_length
-    item = Sequences(obs=jnp.zeros((length, *obs_space.shape), jnp.uint8 if obs_space.dtype == np.uint8 else jnp.float32),
-                     actions=jnp.zeros(length, jnp.int32), rewards=jnp.zeros(length), terminations=jnp.zeros(length),
-                     truncations=jnp.zeros(length), valid=jnp.zeros(length, bool), episode_starts=jnp.zeros(length, bool),
-                     start_cells=jnp.zeros(args.lstm_size), start_hiddens=jnp.zeros(args.lstm_size))
+    item = replay_item(args)
     # a device's shard: the item buffer's experience is (1, capacity, ...) and its sum tree's nodes are 1-D: those
     # axes are sharded over the devices; the write position and the largest priority are the same on every device
     shard = jax.eval_shape(local_buffer.init, item)
@@ -853,6 +861,12 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
         raise UsageError(f"--buffer-size ({args.buffer_size}) must hold the sequences of one update and one minibatch "
                          f"on each learner device ({max(new_sequences, args.minibatch_size // num_learner_devices)} "
                          f"sequences of --sequence-length / 2 = {args.sequence_length // 2} new observations)")
+    check_int32_counts(args, {  # the online network's step (its copies into the target), flashbax's running index
+        "gradient steps": ("--replay-ratio x env steps per update", args.gradient_steps),
+        "sequences written to each learner device's replay": ("env steps per update / (--sequence-length / 2) / "
+                                                              "learner devices", new_sequences)})
+    check_replay_fits(args.buffer_size, make_replay_buffer(args, num_learner_devices).init, replay_item(args),
+                      layout.learner_devices, new_rows=new_sequences)  # before it is allocated
 
 
 def state_summary(agent_state: AgentState, replay=None) -> str:

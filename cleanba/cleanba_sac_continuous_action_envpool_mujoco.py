@@ -46,11 +46,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, local_value, replicate, shutdown
+from cleanrl_utils.devices import (DeviceLayout, check_replay_fits, copies_for_devices, device_layout,
+                                   envpool_num_threads, local_value, replicate, shutdown)
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
-from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_run_flags, run_cli
+from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_int32_counts, check_run_flags, run_cli
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
@@ -510,6 +511,13 @@ def make_replay_buffer(args: Args, num_learner_devices: int, global_envs: int, l
         sample_batch_size=args.minibatch_size // num_learner_devices if local else args.minibatch_size)
 
 
+def replay_item(args: Args) -> Rollout:
+    """One row of one env as the replay stores it."""
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
+    return Rollout(obs=jnp.zeros(obs_space.shape), actions=jnp.zeros(int(np.prod(action_space.shape))),
+                   rewards=jnp.float32(0), terminations=jnp.float32(0), valid=jnp.bool_(False))
+
+
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices; each device keeps
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
@@ -523,11 +531,9 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     action_dim = agent.actor.action_dim
 
     def init_replay():
-        obs_shape = env_spaces(args.env_id, args.env_options)[0].shape
-        item = Rollout(obs=jnp.zeros(obs_shape), actions=jnp.zeros(action_dim), rewards=jnp.float32(0),
-                       terminations=jnp.float32(0), valid=jnp.bool_(False))
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
-        return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(item)
+        return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init,
+                       out_shardings=shardings)(replay_item(args))
 
     def local_gradient_step(agent_state: AgentState, minibatch: Minibatch):
         """One SAC step (paper Algorithm 1: the three losses on one minibatch, then the Polyak target update)."""
@@ -632,6 +638,9 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     if args.buffer_size // global_envs < max(args.num_steps, 2):
         raise UsageError(f"--buffer-size ({args.buffer_size}) must hold at least --num-steps ({args.num_steps}) "
                          f"steps of each of the {global_envs} envs")
+    check_int32_counts(args, {"gradient steps": ("--replay-ratio x env steps per update", args.gradient_steps)})
+    check_replay_fits(args.buffer_size, make_replay_buffer(args, num_learner_devices, global_envs, local=True).init,
+                      replay_item(args), layout.learner_devices, new_rows=args.num_steps)  # before it is allocated
 
 
 def state_summary(agent_state: AgentState, replay=None) -> str:

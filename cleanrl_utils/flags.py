@@ -94,6 +94,8 @@ def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), no
 
 MAX_DEVICE_ID = 63  # a host has at most a few dozen accelerators; on CPU, id N makes N + 1 host devices
 MAX_SEED = 2**32 - 1  # NumPy's seed range
+MAX_COUNT = 2**53  # counts of env steps (--total-timesteps, --buffer-size): exact as float64, within int64 everywhere
+INT32_MAX = 2**31 - 1  # JAX without x64: counts and indices in compiled code (optimizer steps, replays) are int32
 MAX_SECONDS = 86_400  # timeouts: at most a day
 NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -137,9 +139,11 @@ def check_run_flags(args):
     """The flags every script shares (logging, checkpoints, devices, processes): checked before JAX starts."""
     check_flags(args, positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"],
                 non_negative_ints=["checkpoint_frequency"], device_id_lists=["actor_device_ids", "learner_device_ids"],
-                ranges={"seed": (0, MAX_SEED), "total_timesteps": (1, 2**53), "envpool_threads": (0, os.cpu_count()),
-                        "queue_timeout": (0.001, 3600), "heartbeat_timeout": (1, MAX_SECONDS),
-                        "num_processes": (1, 65_536), "process_id": (0, 65_535)})
+                ranges={"seed": (0, MAX_SEED), "total_timesteps": (1, MAX_COUNT),
+                        "envpool_threads": (0, os.cpu_count()), "queue_timeout": (0.001, 3600),
+                        "heartbeat_timeout": (1, MAX_SECONDS), "num_processes": (1, 65_536), "process_id": (0, 65_535),
+                        # the replay scripts' capacity: larger sizes are refused by devices.check_replay_fits
+                        **({"buffer_size": (1, MAX_COUNT)} if hasattr(args, "buffer_size") else {})})
     check_name(args.run_name, "run_name")
     check_name(args.exp_name, "exp_name")
     if not args.distributed:
@@ -154,3 +158,23 @@ def check_run_flags(args):
         raise UsageError("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
         raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def check_int32_counts(args, counts: dict[str, tuple[str, int]]):
+    """Counts that compiled code keeps in int32 and that grow by a number in every update, e.g. {"optimizer steps":
+    ("--update-epochs x --num-minibatches", 16)} (the step count an optax learning-rate schedule reads): after
+    `args.num_updates` updates each must still fit int32, else it overflows (a Python int too large for a compiled
+    schedule is an OverflowError) or wraps. A UsageError names --total-timesteps and the largest value allowed with
+    the run's batch size, or the flags of a count too large for a single update. Call it once `args.num_updates` and
+    `args.batch_size` are known."""
+    for what, (flags, per_update) in counts.items():
+        if per_update > INT32_MAX:
+            raise UsageError(f"{flags} ({what} per update) must be at most {INT32_MAX}: they are counted in int32, "
+                             f"got {per_update}")
+    what, (flags, per_update) = min(counts.items(), key=lambda count: INT32_MAX // max(count[1][1], 1))
+    largest_updates = INT32_MAX // max(per_update, 1)
+    if args.num_updates > largest_updates:
+        raise UsageError(f"--total-timesteps ({args.total_timesteps}) must be at most "
+                         f"{(largest_updates + 1) * args.batch_size - 1} with {args.batch_size} env steps per update: "
+                         f"{what} ({flags} = {per_update} per update) are counted in int32, at most {INT32_MAX} in a "
+                         "run")

@@ -1,9 +1,19 @@
 """Bad input: a one-line error naming the flag and what is allowed, exit code 2, before any heavy work."""
 
+import re
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
 import pytest
 
-from cleanrl_utils.flags import run_cli
-from conftest import MUZERO_SCRIPT, load_script, run_script
+from cleanrl_utils.devices import check_replay_fits, host_memory_bytes
+from cleanrl_utils.flags import INT32_MAX, UsageError, check_int32_counts, run_cli
+from conftest import MUZERO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, load_script, run_script
+
+# tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches
+TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--num-actor-threads", "1",
+                 "--hiddens", "8", "--checkpoint-frequency", "0"]
 
 CASES = {
     "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
@@ -47,6 +57,14 @@ CASES = {
                                  "--coordinator-address no-such-host.invalid:1234: cannot resolve 'no-such-host.invalid'"),
     "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
                                  "--process-id", "2"], "--process-id must be in [0, 2)"),
+    # the learning-rate schedule counts optimizer steps in int32: 10**15 steps were an OverflowError traceback
+    "optimizer steps beyond int32": ([*TINY_CARTPOLE, "--total-timesteps", str(10**15)],
+                                     "--total-timesteps (1000000000000000) must be at most 17179869183 with 128 env "
+                                     "steps per update: optimizer steps (--update-epochs x --num-minibatches = 16 per "
+                                     "update) are counted in int32, at most 2147483647 in a run"),
+    "one update's optimizer steps beyond int32": (
+        [*TINY_CARTPOLE, "--update-epochs", str(2**31)], "--update-epochs x --num-minibatches (optimizer steps per "
+        "update) must be at most 2147483647: they are counted in int32, got 8589934592"),
 }
 
 
@@ -97,3 +115,130 @@ def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
     error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and message in error_lines[0], run.stderr
     assert "Traceback" not in run.stderr and not (workdir / "runs").exists()
+
+
+# tiny replay runs (32 env steps per update) of the three scripts with a replay on the learner devices
+TINY_REPLAY = {
+    "sac": (SAC_SCRIPT, ["--env-id", "Pendulum-v1", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps",
+                         "8", "--hiddens", "16", "--minibatch-size", "16", "--learning-starts", "0", "--replay-ratio",
+                         "0.25", "--learner-device-ids", "1", "--checkpoint-frequency", "0"]),
+    "r2d2": (R2D2_SCRIPT, ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-actor-threads", "1",
+                           "--num-steps", "8", "--sequence-length", "8", "--burn-in", "2", "--n-step", "2",
+                           "--lstm-size", "8", "--hiddens", "16", "--minibatch-size", "4", "--learning-starts", "0",
+                           "--replay-ratio", "0.0625", "--learner-device-ids", "1", "--checkpoint-frequency", "0"]),
+    "muzero": (MUZERO_SCRIPT, ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-actor-threads", "1",
+                               "--num-steps", "8", "--hiddens", "16", "--embedding-size", "8", "--support-size", "5",
+                               "--num-simulations", "4", "--unroll-steps", "3", "--td-steps", "3", "--minibatch-size",
+                               "8", "--replay-ratio", "0.125", "--learner-device-ids", "1", "--checkpoint-frequency",
+                               "0"]),
+}
+
+
+def one_error_line(flags: list[str], script, workdir, monkeypatch, capsys) -> str:
+    """What `python script.py FLAGS` prints, in this process: exit code 2, one error line, nothing started."""
+    module = load_script(script)
+    monkeypatch.chdir(workdir)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(module.main, module.Args, flags)
+    assert exit_info.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, error_lines
+    assert not (workdir / "runs").exists()  # nothing was started: no run folder, no replay allocated
+    return error_lines[0]
+
+
+@pytest.mark.parametrize("name", TINY_REPLAY)
+def test_replay_larger_than_memory_is_one_line_before_allocating(name, workdir, monkeypatch, capsys):
+    """A replay that cannot fit was a RESOURCE_EXHAUSTED traceback after the run folder was made; now one line with
+    its bytes and the device's memory (on CPU: the host's), before anything is allocated."""
+    script, flags = TINY_REPLAY[name]
+    error = one_error_line([*flags, "--buffer-size", str(2**50)], script, workdir, monkeypatch, capsys)
+    match = re.fullmatch(r"error: --buffer-size \(1125899906842624\) needs ([\d,.]+) GiB of replay on each learner "
+                         r"device; device cpu:1 has ([\d,.]+) GiB \(the host's memory\): lower --buffer-size "
+                         r"\(about (\d+) fit\)", error)
+    assert match, error
+    need, have = (float(value.replace(",", "")) for value in match.group(1, 2))
+    assert need > 1e6 and abs(have - host_memory_bytes() / 2**30) < 0.1
+    assert int(match.group(3)) < 2**50 * have / need * 1.01  # the hint scales the size down to the memory
+
+
+def test_replay_above_the_flag_range_is_one_line(workdir, monkeypatch, capsys):
+    script, flags = TINY_REPLAY["r2d2"]  # sizes beyond 2**64 broke flashbax's sum tree (np.log2 of a Python int)
+    error = one_error_line([*flags, "--buffer-size", str(10**30)], script, workdir, monkeypatch, capsys)
+    assert error == f"error: --buffer-size must be in [1, {2**53}], got {10**30}"
+
+
+def test_replay_script_int32_counts_are_one_line(workdir):
+    """R2D2 writes 8 sequences per update into each learner device's replay, counted by flashbax in int32: 2**40 env
+    steps (2**35 updates) would wrap it, and the run trained on (the target copies' step count wraps too)."""
+    script, flags = TINY_REPLAY["r2d2"]
+    run = run_script([*flags, "--buffer-size", "256", "--total-timesteps", str(2**40)], workdir, timeout=120,
+                     script=script)
+    assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-3000:])
+    error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert error_lines == ["error: --total-timesteps (1099511627776) must be at most 8589934591 with 32 env steps per "
+                           "update: sequences written to each learner device's replay (env steps per update / "
+                           "(--sequence-length / 2) / learner devices = 8 per update) are counted in int32, at most "
+                           "2147483647 in a run"], run.stderr
+    assert "Traceback" not in run.stderr and not (workdir / "runs").exists()
+
+
+def test_gradient_steps_of_one_update_beyond_int32_are_one_line(workdir, monkeypatch, capsys):
+    script, flags = TINY_REPLAY["sac"]  # 1e12 x 32 env steps: a scan of 3.2e13 gradient steps
+    error = one_error_line([*flags, "--replay-ratio", "1e12"], script, workdir, monkeypatch, capsys)
+    assert error == ("error: --replay-ratio x env steps per update (gradient steps per update) must be at most "
+                     "2147483647: they are counted in int32, got 32000000000000")
+
+
+def test_int32_counts_allow_exactly_the_named_largest_value():
+    counts = {"optimizer steps": ("--update-epochs x --num-minibatches", 16)}
+    largest = 17179869183  # with 128 env steps per update: 134217727 updates x 16 <= 2**31 - 1
+    check_int32_counts(SimpleNamespace(total_timesteps=largest, num_updates=largest // 128, batch_size=128), counts)
+    assert (largest // 128) * 16 <= INT32_MAX < (largest // 128 + 1) * 16
+    with pytest.raises(UsageError, match=f"must be at most {largest} with 128 env steps per update"):
+        check_int32_counts(SimpleNamespace(total_timesteps=largest + 1, num_updates=(largest + 1) // 128,
+                                           batch_size=128), counts)
+
+
+class FakeAccelerator:
+    """A GPU as JAX shows one: its allocator's limit in memory_stats()."""
+
+    platform = "gpu"
+
+    def __init__(self, bytes_limit: int):
+        self.bytes_limit = bytes_limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.bytes_limit}
+
+    def __str__(self):
+        return "cuda:0"
+
+
+def replay_init(rows: int, floats: int = 3):
+    """A flashbax-like init: 2 envs x `rows` rows of `floats` float32s (only its shapes are ever computed)."""
+    return lambda item: {"obs": jnp.zeros((2, rows, floats), jnp.float32), "current_index": jnp.int32(0)}
+
+
+def test_replay_check_on_an_accelerator_and_on_shared_host_memory():
+    gib = 2**30
+    with pytest.raises(UsageError) as error_info:  # 2 x 2**28 rows x 3 float32s = 6 GiB on a 4 GiB device
+        check_replay_fits(1000, replay_init(2**28), None, [FakeAccelerator(4 * gib)], new_rows=8)
+    assert str(error_info.value) == ("--buffer-size (1000) needs 6.0 GiB of replay on each learner device; device "
+                                     "cuda:0 has 4.0 GiB (XLA's memory limit on it): lower --buffer-size (about 666 "
+                                     "fit) or use more learner devices")
+    check_replay_fits(1000, replay_init(2**28), None, [FakeAccelerator(8 * gib)], new_rows=8)  # fits
+    # enough memory, but 2**31 rows: flashbax's int32 write index would overflow
+    with pytest.raises(UsageError) as error_info:
+        check_replay_fits(2**32, replay_init(2**31, floats=1), None, [FakeAccelerator(2**40)], new_rows=8)
+    assert str(error_info.value) == ("--buffer-size (4294967296) makes replay arrays of 2147483648 rows on each "
+                                     "learner device (+ 8 written per update); their indices are int32, at most "
+                                     "2147483647: lower --buffer-size (about 4294967278 fit)")
+    # the CPU learner devices of a process share the host's memory: 2 shards of 3/4 of it do not fit
+    cpus = jax.devices("cpu")[:2]
+    rows = int(0.75 * host_memory_bytes() / (2 * 256 * 4))  # rows of 2 envs x 256 float32s
+    with pytest.raises(UsageError, match=r"device cpu:0 has [\d,.]+ GiB \(the host's memory, [\d,.]+ GiB, shared by "
+                                         r"this process's 2 CPU learner devices\): lower --buffer-size \(about \d+ "
+                                         r"fit\)$"):
+        check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus, new_rows=8)
+    check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus[:1], new_rows=8)  # one device: fits

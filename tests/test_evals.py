@@ -246,6 +246,11 @@ def test_evaluator_bad_input_is_one_clear_line(tmp_path, capsys):
          "has no Args: it does not follow the evaluation contract"),
         (["--model-path", str(tmp_path / "b.cleanrl_model"), "--eval-episodes", "0"],
          "--eval-episodes and --num-envs must be positive integers"),
+        # a training seed's range, checked before the model is read
+        (["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", str(2**32)],
+         "--seed must be in [0, 4294967295], got 4294967296"),
+        (["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", "-1"],
+         "--seed must be in [0, 4294967295], got -1"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -253,3 +258,21 @@ def test_evaluator_bad_input_is_one_clear_line(tmp_path, capsys):
         error = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and len(error.splitlines()) == 1, (argv, error)
         assert error.startswith("error: ") and message in error, (argv, error)
+
+
+def test_envpool_seed_is_the_seed_where_envpool_takes_it():
+    assert evaluate_module.envpool_seed(1, 8) == 1 and evaluate_module.envpool_seed(2**31 - 8, 8) == 2**31 - 8
+    for seed in [2**31 - 7, 2**31, 2**32 - 1]:  # the pool's seeds, seed + i, must be int32
+        assert 0 <= evaluate_module.envpool_seed(seed, 8) <= 2**31 - 8
+
+
+def test_largest_seed_trains_saves_and_evaluates(workdir):
+    """envpool takes an int32 seed: a run with a seed of the documented range above it trained and saved, then its
+    evaluation stopped with an AssertionError traceback (the model was saved, the run's evaluation lost)."""
+    run = run_script([*TINY_CARTPOLE, "--seed", str(2**32 - 1), "--save-model", "--eval-episodes", "2"], workdir,
+                     run_name="largest")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert "evaluated runs/largest/tiny.cleanrl_model (sampled actions): 2 episodes" in run.stdout
+    logged = [value for _, value in read_scalars(run.run_dir)["eval/episodic_return"]]
+    # the evaluator, with the model's seed as it does by default, reproduces the run's own evaluation
+    assert evaluate(run.run_dir / "tiny.cleanrl_model", 2, verbose=False) == logged

@@ -291,10 +291,11 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
     (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (10240) must be a positive whole"),
     (["--buffer-size", "400"], "--buffer-size (400) must hold the sequences of one update and one minibatch"),
     (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1'"),
+    (["--target-update-period", str(2**31)], f"--target-update-period must be in [1, {2**31 - 1}], got {2**31}"),
     (["--n-step", "50", "--sequence-length", "8", "--burn-in", "2"],
      "--n-step (50) must be at most --sequence-length - 1 - --burn-in (5): no learned step"),
 ], ids=["burn-in", "sequence-over-rollout", "rollout-not-multiple", "odd-sequence", "core", "ratio-fraction",
-        "buffer-small", "continuous", "n-step-over-sequence"])
+        "buffer-small", "continuous", "target-period-over-int32", "n-step-over-sequence"])
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         r2d2.run_cli(r2d2.main, r2d2.Args, ["--env-id", "CartPole-v1", *flags])

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from cleanrl_utils.envs import env_family
-from cleanrl_utils.flags import UsageError
+from cleanrl_utils.flags import MAX_SEED, UsageError, check_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ class Args:
     num_envs: int = 8
     """the number of environments stepped together (at most --eval-episodes)"""
     seed: int | None = None
-    """seed of the environments and of the action sampling (default: the model's training seed)"""
+    """seed of the environments and of the action sampling (default: the model's training seed) (in [0, 2**32 - 1])"""
     script: str | None = None
     """the script that trained the model (default: cleanba/{the model's "script"}.py of this repository);
     needed when you trained with a copy of a script kept elsewhere"""
@@ -136,6 +136,16 @@ class VideoRecorder:
         self.episode += 1
 
 
+ENVPOOL_SEEDS = 2**31  # envpool takes an int32 seed and seeds env i of a pool with seed + i
+
+
+def envpool_seed(seed: int, num_envs: int) -> int:
+    """envpool's seed for an evaluation seed in [0, 2**32 - 1] (a training seed): the seed itself wherever the pool's
+    seeds (seed + i) fit int32; a larger seed wraps around into that range (deterministic: a model's evaluation is
+    reproducible for every seed; the action sampling's key is made from the whole seed)."""
+    return seed % max(ENVPOOL_SEEDS - num_envs + 1, 1)
+
+
 def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder | None = None) -> list[float]:
     """Step `envs` with `policy` until each env has finished its share of `num_episodes`.
 
@@ -184,7 +194,8 @@ def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: boo
         video_folder = f"videos/{args.run_name}"
     # a script copied from before --env-options has a make_env without them
     options = {"env_options": args.env_options} if getattr(args, "env_options", None) else {}
-    envs = module.make_env(args.env_id, seed, min(num_envs, eval_episodes),
+    num_envs = min(num_envs, eval_episodes)
+    envs = module.make_env(args.env_id, envpool_seed(seed, num_envs), num_envs,
                            render_mode="rgb_array" if capture_video else None, **options)
     policy = module.make_eval_policy(args, model, greedy)
     recorder = VideoRecorder(video_folder) if capture_video else None
@@ -294,6 +305,7 @@ def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> boo
 
 
 def evaluate_saved_model(args: Args) -> list[float]:
+    check_flags(args, ranges={"seed": (0, MAX_SEED)})  # a training seed's range: envpool's is derived from it
     if args.capture_video:
         model = load_model(args.model_path)
         check_capture_video(script_path(model, args.script), json.loads(model["args"])["env_id"])
