@@ -14,6 +14,7 @@ import re
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 
@@ -141,7 +142,7 @@ def _stderr_held():
     write is held, printed after a write that succeeded and dropped after one that failed (its RunError is the run's
     one line; asyncio's "exception was never retrieved" of the abandoned tasks, at exit, is filtered by save)."""
     sys.stderr.flush()
-    stderr = os.dup(2)
+    stderr, before = os.dup(2), set(threading.enumerate())
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         succeeded = False
@@ -149,6 +150,10 @@ def _stderr_held():
             yield
             succeeded = True
         finally:
+            if not succeeded:  # the failed write's other threads still print: let them end (10 s at most)
+                deadline = time.time() + 10
+                for thread in set(threading.enumerate()) - before:
+                    thread.join(timeout=max(deadline - time.time(), 0))
             sys.stderr.flush()
             os.dup2(stderr, 2)
             os.close(stderr)
