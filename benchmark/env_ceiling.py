@@ -66,10 +66,19 @@ def main(args: CeilingArgs):
     run_all(100)
     seconds = run_all(args.steps)
     sps = args.pools * args.num_envs * args.steps / seconds
-    result = {"env_id": args.env_id, "num_envs": args.num_envs, "pools": args.pools, "envpool_threads": num_threads,
-              "cores": os.cpu_count(), "steps": args.steps, "sps": sps}
-    print(f"{args.env_id}: {args.pools} pool(s) x {args.num_envs} envs, {num_threads} envpool thread(s) each, "
-          f"{os.cpu_count()} cores: {sps:,.0f} env steps/s (random actions)")
+    result = {
+        "env_id": args.env_id,
+        "num_envs": args.num_envs,
+        "pools": args.pools,
+        "envpool_threads": num_threads,
+        "cores": os.cpu_count(),
+        "steps": args.steps,
+        "sps": sps,
+    }
+    print(
+        f"{args.env_id}: {args.pools} pool(s) x {args.num_envs} envs, {num_threads} envpool thread(s) each, "
+        f"{os.cpu_count()} cores: {sps:,.0f} env steps/s (random actions)"
+    )
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")

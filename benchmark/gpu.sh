@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Sebulba on one GPU: Atari throughput against the environment ceiling, loop vs scan learner, a learning curve.
+# Sebulba on one GPU: Atari throughput against the environment ceiling, and a learning curve.
 #
 #   (a) ceiling     envpool Breakout-v5 alone with random actions on all cores (benchmark/env_ceiling.py): 2 pools x
 #                   64 envs (Cleanba's 2 actor threads) and 1 pool x 128 envs
 #   (b) throughput  PPO and IMPALA on Breakout-v5, default IMPALA CNN and Cleanba's default sizes (2 actor threads x
 #                   64 envs, PPO 128 steps, IMPALA 20 steps), actor and learner on GPU 0 (a0-l0): the stages alone
 #                   and the script's steady SPS (benchmark/throughput.py), peak GPU memory
-#   (d) loops       each of (b) with --learner-loop scan and python (the learner stage is the comparison)
 #   (c) curve       PPO Breakout-v5 with the defaults for CURVE_SECONDS (600) of wall time, stopped with SIGTERM (the
 #                   script checkpoints and exits 143), then static/gpu_breakout_ppo.png against a random policy
 #
@@ -35,11 +34,9 @@ for section in $sections; do
     ;;
   throughput)
     for algorithm in ppo impala; do
-      for loop in scan python; do
-        step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
-          --json "$out/gpu_throughput.jsonl" --repeats 3 --stage-rollouts 2 --full-repeats 1 --full-updates 25 \
-          -- --env-id Breakout-v5 $GPU0 --learner-loop $loop
-      done
+      step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
+        --json "$out/gpu_throughput.jsonl" --repeats 3 --stage-rollouts 2 --full-repeats 1 --full-updates 25 \
+        -- --env-id Breakout-v5 $GPU0
     done
     step $PY benchmark/throughput.py --summarize "$out/gpu_throughput.jsonl"
     ;;

@@ -27,10 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "cleanba" / "cleanba_muzero_envpool_impala_atari_wrapper.py"
 # the settings of the learning test (CartPole) and of the smoke tests (tiny Breakout)
 SETTINGS = {
-    "CartPole-v1": dict(hiddens=[64], embedding_size=32, support_size=10, num_simulations=8,
-                        max_num_considered_actions=2),
-    "Breakout-v5": dict(channels=[4, 4], num_blocks=1, hiddens=[16], support_size=5, num_simulations=8,
-                        max_num_considered_actions=4),
+    "CartPole-v1": dict(
+        hiddens=[64], embedding_size=32, support_size=10, num_simulations=8, max_num_considered_actions=2
+    ),
+    "Breakout-v5": dict(
+        channels=[4, 4], num_blocks=1, hiddens=[16], support_size=5, num_simulations=8, max_num_considered_actions=4
+    ),
 }
 
 
@@ -61,26 +63,36 @@ def measure(muzero, env_id: str, num_envs: int, seconds: float, warmup: int) -> 
         calls += 1
     elapsed = time.perf_counter() - start
     envs.close()
-    return {"env_id": env_id, "envs_per_thread": num_envs, "num_simulations": args.num_simulations,
-            "search_steps_per_second": calls * num_envs / elapsed,
-            "simulations_per_second": calls * num_envs * args.num_simulations / elapsed,
-            "ms_per_call": 1000 * elapsed / calls, "device": str(jax.devices()[0].platform)}
+    return {
+        "env_id": env_id,
+        "envs_per_thread": num_envs,
+        "num_simulations": args.num_simulations,
+        "search_steps_per_second": calls * num_envs / elapsed,
+        "simulations_per_second": calls * num_envs * args.num_simulations / elapsed,
+        "ms_per_call": 1000 * elapsed / calls,
+        "device": str(jax.devices()[0].platform),
+    }
 
 
 def main(args: BenchArgs):
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         muzero = load_script(SCRIPT)
-        rows = [measure(muzero, env_id, n, args.seconds, args.warmup) for env_id in args.env_ids
-                for n in args.envs_per_thread]
+        rows = [
+            measure(muzero, env_id, n, args.seconds, args.warmup)
+            for env_id in args.env_ids
+            for n in args.envs_per_thread
+        ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     print("| env | envs per thread | search steps/s | simulations/s | ms per search call |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['env_id']} | {row['envs_per_thread']} | {row['search_steps_per_second']:,.0f} | "
-              f"{row['simulations_per_second']:,.0f} | {row['ms_per_call']:.1f} |")
+        print(
+            f"| {row['env_id']} | {row['envs_per_thread']} | {row['search_steps_per_second']:,.0f} | "
+            f"{row['simulations_per_second']:,.0f} | {row['ms_per_call']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

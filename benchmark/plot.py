@@ -115,8 +115,11 @@ def read_run(run_dir: Path, tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
         fail(f"{run_dir} has no scalar {tag}")
     events = accumulator.Scalars(tag)
     start = accumulator.FirstEventTimestamp()
-    return (np.array([e.step for e in events]), np.array([e.wall_time - start for e in events]),
-            np.array([e.value for e in events]))
+    return (
+        np.array([e.step for e in events]),
+        np.array([e.wall_time - start for e in events]),
+        np.array([e.value for e in events]),
+    )
 
 
 def mean_and_spread(xs: list[np.ndarray], ys: list[np.ndarray]):
@@ -145,8 +148,10 @@ def experiment_runs(args: Curves) -> dict[str, list[Path]]:
         fail(f"--labels needs one name per --exp-names entry ({len(args.exp_names)}), got {len(labels)}")
     if len(set(labels)) != len(labels):
         fail(f"--labels must differ from each other, got {labels}")
-    return {label: list(find_runs(args.runs_dir, args.env_id, exp_name).values())
-            for exp_name, label in zip(args.exp_names, labels)}
+    return {
+        label: list(find_runs(args.runs_dir, args.env_id, exp_name).values())
+        for exp_name, label in zip(args.exp_names, labels)
+    }
 
 
 def parse_references(references: list[str]) -> list[tuple[str, float]]:
@@ -172,7 +177,7 @@ def plot_curves(args: Curves):
     for row, tag in enumerate(args.tags):
         for (label, run_dirs), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
             series = [read_run(path, tag) for path in run_dirs]
-            finals.append((label, tag, [values[-args.final_window:].mean() for _, _, values in series]))
+            finals.append((label, tag, [values[-args.final_window :].mean() for _, _, values in series]))
             seeds = len(series)
             for column, x_index in enumerate([0, 1]):  # env steps, wall time
                 axis = axes[row][column]
@@ -193,11 +198,15 @@ def plot_curves(args: Curves):
     figure.suptitle(args.title or ", ".join(filter(None, [args.env_id, args.hardware])))
     figure.tight_layout()
     save(figure, args.output)
-    print(f"| experiment | scalar | final value per seed (mean of the last {args.final_window} logged) "
-          "| mean | std | min - max |\n|---|---|---|---|---|---|")
+    print(
+        f"| experiment | scalar | final value per seed (mean of the last {args.final_window} logged) "
+        "| mean | std | min - max |\n|---|---|---|---|---|---|"
+    )
     for label, tag, values in finals:
-        print(f"| {label.replace(chr(10), ' ')} | {tag} | {', '.join(f'{v:,.1f}' for v in values)} "
-              f"| {np.mean(values):,.1f} | {np.std(values):,.1f} | {min(values):,.1f} - {max(values):,.1f} |")
+        print(
+            f"| {label.replace(chr(10), ' ')} | {tag} | {', '.join(f'{v:,.1f}' for v in values)} "
+            f"| {np.mean(values):,.1f} | {np.std(values):,.1f} | {min(values):,.1f} - {max(values):,.1f} |"
+        )
 
 
 def plot_sps(args: Sps):
@@ -206,7 +215,9 @@ def plot_sps(args: Sps):
         fail(f"--labels needs one name per --exp-names entry ({len(args.exp_names)}), got {len(labels)}")
     rows = []
     for exp_name, label in zip(args.exp_names, labels):
-        finals = [read_run(path, "charts/SPS")[2][-1] for path in find_runs(args.runs_dir, args.env_id, exp_name).values()]
+        finals = [
+            read_run(path, "charts/SPS")[2][-1] for path in find_runs(args.runs_dir, args.env_id, exp_name).values()
+        ]
         rows.append((label, np.mean(finals), np.min(finals), np.max(finals), len(finals)))
     figure, axis = plt.subplots(figsize=(8, 3.8))
     positions = np.arange(len(rows))
@@ -218,9 +229,11 @@ def plot_sps(args: Sps):
     axis.set_xticks(positions, [row[0] for row in rows])
     axis.set_ylabel("steps per second (SPS)")
     axis.grid(axis="y", alpha=0.3)
-    axis.set_title(f"{args.env_id} throughput by device layout, {args.hardware}\n"
-                   f"(final SPS since the start of each run; bars: mean of {rows[0][4]} seeds, whiskers: min-max)",
-                   fontsize=10)
+    axis.set_title(
+        f"{args.env_id} throughput by device layout, {args.hardware}\n"
+        f"(final SPS since the start of each run; bars: mean of {rows[0][4]} seeds, whiskers: min-max)",
+        fontsize=10,
+    )
     figure.tight_layout()
     save(figure, args.output)
     print("| layout | SPS (mean) | min - max | seeds |\n|---|---|---|---|")
@@ -245,7 +258,8 @@ def plot_panels(args: Panels):
         axis.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x / 1000:g}k"))  # no overlap
         axis.grid(alpha=0.3)
         axis.legend(loc="best", fontsize=7)
-        print(f"| {label} | {values[-5:].mean():,.3f} | {'' if baseline is None else f'{baseline:,.3f}'} | {steps[-1]:,} |")
+        baseline_cell = "" if baseline is None else f"{baseline:,.3f}"
+        print(f"| {label} | {values[-5:].mean():,.3f} | {baseline_cell} | {steps[-1]:,} |")
     axes[0][0].set_ylabel("charts/avg_episodic_return")
     figure.suptitle(args.title or args.hardware)
     figure.tight_layout()

@@ -39,10 +39,29 @@ class BenchArgs:
 def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         batch = 256  # the defaults: 2 actor threads x 4 envs x 32 steps
-        command = [sys.executable, str(SCRIPT), "--env-id", env_id, "--replay-ratio", str(replay_ratio),
-                   "--learning-starts", str(args.learning_starts), "--total-timesteps", str(args.updates * batch),
-                   "--actor-device-ids", "0", "--learner-device-ids", "1", "--checkpoint-frequency", "0",
-                   "--log-frequency", "1000", "--run-name", "bench", *([] if concurrency else ["--no-concurrency"])]
+        command = [
+            sys.executable,
+            str(SCRIPT),
+            "--env-id",
+            env_id,
+            "--replay-ratio",
+            str(replay_ratio),
+            "--learning-starts",
+            str(args.learning_starts),
+            "--total-timesteps",
+            str(args.updates * batch),
+            "--actor-device-ids",
+            "0",
+            "--learner-device-ids",
+            "1",
+            "--checkpoint-frequency",
+            "0",
+            "--log-frequency",
+            "1000",
+            "--run-name",
+            "bench",
+            *([] if concurrency else ["--no-concurrency"]),
+        ]
         subprocess.run(command, cwd=workdir, check=True, stdout=subprocess.DEVNULL)
         events = EventAccumulator(str(Path(workdir) / "runs" / "bench"), size_guidance={"scalars": 0})
         events.Reload()
@@ -51,22 +70,33 @@ def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool
         start, end = sps[first - 1], sps[-1]
         seconds = end.wall_time - start.wall_time
         gradient_steps = sum(e.value for e in events.Scalars("stats/gradient_steps")[first:])
-        return {"env_id": env_id, "replay_ratio": replay_ratio, "concurrency": concurrency,
-                "sps": (end.step - start.step) / seconds, "gradient_steps_per_second": gradient_steps / seconds,
-                "updates": len(sps) - first}
+        return {
+            "env_id": env_id,
+            "replay_ratio": replay_ratio,
+            "concurrency": concurrency,
+            "sps": (end.step - start.step) / seconds,
+            "gradient_steps_per_second": gradient_steps / seconds,
+            "updates": len(sps) - first,
+        }
 
 
 def main(args: BenchArgs):
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        rows = [measure(args, env_id, ratio, concurrency) for env_id in args.env_ids for ratio in args.replay_ratios
-                for concurrency in [True, False]]
+        rows = [
+            measure(args, env_id, ratio, concurrency)
+            for env_id in args.env_ids
+            for ratio in args.replay_ratios
+            for concurrency in [True, False]
+        ]
     print(f"steady state over {rows[0]['updates']} updates of 256 env steps, {os.cpu_count()} cores, JAX on CPU, a0-l1")
     print("| env | --replay-ratio | concurrency | SPS (env steps/s) | gradient steps/s |")
     print("|-|-|-|-|-|")
     for row in rows:
-        print(f"| {row['env_id']} | {row['replay_ratio']} | {'on' if row['concurrency'] else 'off (--no-concurrency)'} "
-              f"| {row['sps']:.0f} | {row['gradient_steps_per_second']:.0f} |")
+        print(
+            f"| {row['env_id']} | {row['replay_ratio']} | {'on' if row['concurrency'] else 'off (--no-concurrency)'} "
+            f"| {row['sps']:.0f} | {row['gradient_steps_per_second']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ from pathlib import Path
 
 import tyro
 
+from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import device_layout
 from cleanrl_utils.evals.evaluate import load_script
-from cleanrl_utils.flags import run_cli
+from cleanrl_utils.flags import derive_batch_values
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,7 +84,8 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     import jax
     import numpy as np
 
-    from cleanrl_utils.devices import envpool_num_threads, replicate
+    from cleanrl_utils.actors import ActorThread
+    from cleanrl_utils.devices import assemble_global_rollout, envpool_num_threads, replicate
 
     actor_device, learner_devices, mesh = layout.actor_devices[0], layout.learner_devices, layout.mesh
     num_envs, num_steps = args.local_num_envs, args.num_steps
@@ -127,10 +129,25 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
         params_queue, rollout_queue, stop_event = queue.Queue(), queue.Queue(), threading.Event()
         for version in range(rollouts):
             params_queue.put((params, version))
-        module.rollout(args=args, thread_index=0, start_update=0, key=jax.random.key(args.seed),
-                       make_envs=lambda seed: envs, actor_device=actor_device, learner_devices=learner_devices,
-                       params_queue=params_queue, rollout_queue=rollout_queue, stop_event=stop_event,
-                       actor_fns=actor_fns)
+        thread = ActorThread(
+            index=0,
+            global_index=0,
+            device=actor_device,
+            learner_devices=learner_devices,
+            start_update=0,
+            envpool_threads=num_threads,
+            stop_event=stop_event,
+            queue_timeout=args.queue_timeout,
+        )
+        module.rollout(
+            args=args,
+            thread=thread,
+            key=jax.random.key(args.seed),
+            make_envs=lambda seed, num_threads=0: envs,
+            actor_fns=actor_fns,
+            params_queue=params_queue,
+            rollout_queue=rollout_queue,
+        )
         return [rollout_queue.get()[0] for _ in range(rollouts)]
 
     stored_rollout = run_actor(1)[0]  # also compiles
@@ -145,14 +162,13 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     args.num_updates = 10**6
     update = module.make_learner_fns(args, agent, mesh)
     threads = args.num_actor_threads * len(args.actor_device_ids)
-    storage = module.assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
-    learner_state = replicate(agent_state, mesh)
-    learner_key = jax.random.key(args.seed)
+    storage = assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
+    learner_state = module.LearnerState(replicate(agent_state, mesh), jax.random.key(args.seed))
 
     def learn():  # as many updates as rollouts in the other stages: a small update takes only a millisecond
-        nonlocal learner_state, learner_key
+        nonlocal learner_state
         for _ in range(harness.stage_rollouts):
-            learner_state, metrics, learner_key = update(learner_state, storage, learner_key)
+            learner_state, metrics = update(learner_state, storage)
         jax.block_until_ready((learner_state, metrics))
 
     results["learner"] = timed_rates(learn, args.batch_size * harness.stage_rollouts, harness.repeats)
@@ -166,15 +182,31 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
     rates, rss_at_10, rss_last, device_peak = [], [], [], []
     for repeat in range(harness.full_repeats):
         with tempfile.TemporaryDirectory() as cwd:
-            command = [sys.executable, str(harness.script), *script_args, "--run-name", f"throughput{repeat}",
-                       "--total-timesteps", str(batch_size * harness.full_updates), "--log-frequency", "1000000",
-                       "--checkpoint-frequency", "0"]
-            completed = subprocess.run(command, cwd=cwd, capture_output=True, text=True,
-                                       env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+            command = [
+                sys.executable,
+                str(harness.script),
+                *script_args,
+                "--run-name",
+                f"throughput{repeat}",
+                "--total-timesteps",
+                str(batch_size * harness.full_updates),
+                "--log-frequency",
+                "1000000",
+                "--checkpoint-frequency",
+                "0",
+            ]
+            completed = subprocess.run(
+                command,
+                cwd=cwd,
+                capture_output=True,
+                text=True,
+                env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+            )
             if completed.returncode != 0:
                 sys.exit(f"error: the full run failed ({completed.returncode}):\n{completed.stderr[-2000:]}")
-            accumulator = EventAccumulator(str(Path(cwd) / "runs" / f"throughput{repeat}"),
-                                           size_guidance={"scalars": 0})
+            accumulator = EventAccumulator(
+                str(Path(cwd) / "runs" / f"throughput{repeat}"), size_guidance={"scalars": 0}
+            )
             accumulator.Reload()
             events = accumulator.Scalars("charts/SPS")
             first, last = events[harness.warmup_updates - 1], events[-1]
@@ -184,30 +216,50 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
             rss_last.append(rss[-1])
             if "stats/device_peak_memory_mib" in accumulator.Tags()["scalars"]:  # GPU/TPU
                 device_peak.append(accumulator.Scalars("stats/device_peak_memory_mib")[-1].value)
-    return {**spread(rates), "peak_rss_mib_update_10": max(rss_at_10), "peak_rss_mib_last": max(rss_last),
-            "updates": harness.full_updates, **({"device_peak_memory_mib": max(device_peak)} if device_peak else {})}
+    return {
+        **spread(rates),
+        "peak_rss_mib_update_10": max(rss_at_10),
+        "peak_rss_mib_last": max(rss_last),
+        "updates": harness.full_updates,
+        **({"device_peak_memory_mib": max(device_peak)} if device_peak else {}),
+    }
 
 
 def print_table(results: dict, platform: str, separate_devices: bool):
     def row(name, stats, note=""):
-        print(f"{name:<28}{stats['median']:>12,.0f}{1e6 / stats['median']:>12,.1f}   "
-              f"{stats['min']:>9,.0f} .. {stats['max']:<9,.0f}{note}")
+        print(
+            f"{name:<28}{stats['median']:>12,.0f}{1e6 / stats['median']:>12,.1f}   "
+            f"{stats['min']:>9,.0f} .. {stats['max']:<9,.0f}{note}"
+        )
 
     print(f"{'stage':<28}{'samples/s':>12}{'us/sample':>12}   {'spread (min .. max)':<22}")
-    for name, label in [("env", "env (random actions)"), ("inference", "inference (actor device)"),
-                        ("learner", "learner (one update)"), ("actor", "actor thread alone")]:
+    for name, label in [
+        ("env", "env (random actions)"),
+        ("inference", "inference (actor device)"),
+        ("learner", "learner (one update)"),
+        ("actor", "actor thread alone"),
+    ]:
         row(label, results[name])
     ceiling = results["serial_ceiling"]
     print(f"{'serial ceiling':<28}{ceiling:>12,.0f}{1e6 / ceiling:>12,.1f}   1/(t_env + t_inference + t_learner)")
-    row("full script (steady state)", results["full"], f"  {results['fraction_of_serial_ceiling']:.0%} of the serial "
-        "ceiling")
+    row(
+        "full script (steady state)",
+        results["full"],
+        f"  {results['fraction_of_serial_ceiling']:.0%} of the serial ceiling",
+    )
     overlapped = results["overlapped_ceiling"]
     note = "" if separate_devices and platform != "cpu" else " (not reachable here: the devices share the CPU cores)"
     print(f"{'overlapped ceiling':<28}{overlapped:>12,.0f}{1e6 / overlapped:>12,.1f}   min of the three{note}")
     full = results["full"]
-    print(f"peak RSS: {full['peak_rss_mib_update_10']:,.0f} MiB at update 10, {full['peak_rss_mib_last']:,.0f} MiB at "
-          f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})"
-          + (f"; peak device memory {full['device_peak_memory_mib']:,.0f} MiB" if "device_peak_memory_mib" in full else ""))
+    print(
+        f"peak RSS: {full['peak_rss_mib_update_10']:,.0f} MiB at update 10, {full['peak_rss_mib_last']:,.0f} MiB at "
+        f"update {full['updates']} ({full['peak_rss_mib_last'] / full['peak_rss_mib_update_10'] - 1:+.1%})"
+        + (
+            f"; peak device memory {full['device_peak_memory_mib']:,.0f} MiB"
+            if "device_peak_memory_mib" in full
+            else ""
+        )
+    )
 
 
 def summarize(path: Path, baseline: Path | None):
@@ -215,8 +267,11 @@ def summarize(path: Path, baseline: Path | None):
     load = lambda file: [json.loads(line) for line in file.read_text().splitlines()]
     key = lambda r: (r["script"], tuple(r["args"]))
     before = {key(r): r for r in load(baseline)} if baseline else {}
-    print("| script | config | env | inference | learner | serial ceiling | full | of ceiling |"
-          + (" before: full, of ceiling |" if baseline else "") + " peak RSS (MiB) |")
+    print(
+        "| script | config | env | inference | learner | serial ceiling | full | of ceiling |"
+        + (" before: full, of ceiling |" if baseline else "")
+        + " peak RSS (MiB) |"
+    )
     print("|-" * (9 + bool(baseline)) + "|")
     for r in load(path):
         config = " ".join(r["args"])
@@ -224,10 +279,17 @@ def summarize(path: Path, baseline: Path | None):
             config = config.replace(flag, "")
         rates = " | ".join(f"{r[stage]['median']:,.0f}" for stage in ["env", "inference", "learner"])
         old = before.get(key(r))
-        old = f" {old['full']['median']:,.0f}, {old['fraction_of_serial_ceiling']:.0%} |" if old else " |" * bool(baseline)
-        print(f"| {r['script'].removeprefix('cleanba_').split('_envpool')[0]} | `{config.strip()}` | {rates} | {r['serial_ceiling']:,.0f} | "
-              f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |{old} "
-              f"{r['full']['peak_rss_mib_last']:,.0f} |")
+        old = (
+            f" {old['full']['median']:,.0f}, {old['fraction_of_serial_ceiling']:.0%} |"
+            if old
+            else " |" * bool(baseline)
+        )
+        print(
+            f"| {r['script'].removeprefix('cleanba_').split('_envpool')[0]} | `{config.strip()}` | {rates} | "
+            f"{r['serial_ceiling']:,.0f} | "
+            f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |{old} "
+            f"{r['full']['peak_rss_mib_last']:,.0f} |"
+        )
 
 
 def main():
@@ -248,10 +310,15 @@ def measure(harness: HarnessArgs, module, script_args: list[str], args):
     layout = device_layout(args)  # starts JAX's backend, with the host devices the ids need
     import jax
 
+    derive_batch_values(
+        args, world_size=layout.world_size, local_rank=layout.local_rank, num_actor_devices=len(layout.actor_devices)
+    )
     module.set_runtime_values(args, layout)
     print(f"{harness.script.name} {' '.join(script_args)}")
-    print(f"{jax.local_devices()[0].platform}: {jax.local_device_count()} device(s), {os.cpu_count()} cores, "
-          f"batch {args.batch_size} samples/update")
+    print(
+        f"{jax.local_devices()[0].platform}: {jax.local_device_count()} device(s), {os.cpu_count()} cores, "
+        f"batch {args.batch_size} samples/update"
+    )
     results = measure_stages(module, args, layout, harness)
     results["full"] = measure_full_run(harness, script_args, args.batch_size)
     rates = [results[name]["median"] for name in ["env", "inference", "learner"]]

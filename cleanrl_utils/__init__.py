@@ -1,6 +1,3 @@
-"""What is not the algorithm: benchmark sweeps, evaluation, hub upload."""
-
-import os
-
-# `python -m cleanrl_utils.evals.evaluate` on a VizDoom model: set before numpy loads OpenBLAS (see envs.FORK_SAFE_ENV)
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+"""What every cleanba/ script shares and is not its algorithm: the run (run.py) and the modules under it (devices,
+checkpoints, preemption, actor threads, logging, run folder, flags, errors, the CLI entry), the env families
+(envs.py), saving, evaluating and uploading a model (saved_model.py, evals/, huggingface.py), and benchmark sweeps."""

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tyro
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.errors import UsageError
 
 
 @dataclass
@@ -58,19 +59,22 @@ class Args:
 
 
 def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    raise UsageError(message)  # the CLI entry prints it as one `error:` line, exit code 2
 
 
 def run_commands(args: Args) -> list[str]:
-    return [f"{args.command} --env-id {env_id} --seed {seed}"
-            for seed in range(args.start_seed, args.start_seed + args.num_seeds) for env_id in args.env_ids]
+    return [
+        f"{args.command} --env-id {env_id} --seed {seed}"
+        for seed in range(args.start_seed, args.start_seed + args.num_seeds)
+        for env_id in args.env_ids
+    ]
 
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -102,8 +106,11 @@ def render_slurm_script(args: Args, template: str) -> str:
     """Fill the template's {{placeholders}}; every placeholder must be known and used."""
     seeds = range(args.start_seed, args.start_seed + args.num_seeds)
     runs = [(env_id, seed) for seed in seeds for env_id in args.env_ids]
-    sbatch_extra = "".join(f"#SBATCH --{name}={value}\n" for name, value in
-                           [("partition", args.slurm_partition), ("account", args.slurm_account)] if value)
+    sbatch_extra = "".join(
+        f"#SBATCH --{name}={value}\n"
+        for name, value in [("partition", args.slurm_partition), ("account", args.slurm_account)]
+        if value
+    )
     values = {
         "job_name": args.slurm_job_name,
         "array": f"0-{len(runs) - 1}%{args.workers}",
@@ -124,7 +131,7 @@ def render_slurm_script(args: Args, template: str) -> str:
             fail(f"--slurm-template-path: the template has no {placeholder}")
         template = template.replace(placeholder, value)
     if "{{" in template:
-        fail(f"--slurm-template-path: unknown placeholder {template[template.index('{{'):].split('}}')[0]}}}}}")
+        fail(f"--slurm-template-path: unknown placeholder {template[template.index('{{') :].split('}}')[0]}}}}}")
     return template
 
 
@@ -164,4 +171,4 @@ def main(args: Args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(tyro.cli(Args)))
+    sys.exit(run_cli(main, Args))

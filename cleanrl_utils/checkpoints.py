@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from cleanrl_utils.flags import RunError, UsageError, computation_flags, flag, settable_flags
+from cleanrl_utils.errors import RunError, UsageError
+from cleanrl_utils.flags import flag
 
 
 class CheckpointError(UsageError):
@@ -53,8 +54,9 @@ def _leaf_digest(x) -> bytes:
             raise ValueError(f"tree_digest: a leaf of shape {shape} split along another axis than {axis}")
         start = 0 if shard is None else shard.index[axis].start or 0
         for i, piece in enumerate(np.moveaxis(data, axis, 0)):
-            slice_digests[start + i] = np.frombuffer(hashlib.sha256(np.ascontiguousarray(piece).tobytes()).digest(),
-                                                     np.uint8)
+            slice_digests[start + i] = np.frombuffer(
+                hashlib.sha256(np.ascontiguousarray(piece).tobytes()).digest(), np.uint8
+            )
         held[start : start + data.shape[axis]] = True
     sharded_over_processes = hasattr(x, "addressable_shards") and not (x.is_fully_addressable or x.is_fully_replicated)
     if sharded_over_processes:  # the same answer in every process: all of them gather
@@ -90,8 +92,8 @@ def _keys_to_data(tree):
 
 def check_shared_folder(path: str):
     """Every process must see the folder process 0 writes to; else a UsageError in every process."""
-    from jax.experimental import multihost_utils
     import jax
+    from jax.experimental import multihost_utils
 
     token = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
     probe = os.path.join(path, f".shared-folder-probe-{token}")
@@ -108,17 +110,21 @@ def check_shared_folder(path: str):
         os.remove(probe)
     if not sees.all():
         blind = [int(i) for i in np.flatnonzero(sees == 0)]
-        raise UsageError(f"--checkpoint-dir: process(es) {blind} do not see the checkpoint folder of process 0 (here: "
-                         f"{path}); all processes of a run need one shared folder: start them in the same (shared) "
-                         "working directory or give --checkpoint-dir a path on a shared file system")
+        raise UsageError(
+            f"--checkpoint-dir: process(es) {blind} do not see the checkpoint folder of process 0 (here: "
+            f"{path}); all processes of a run need one shared folder: start them in the same (shared) "
+            "working directory or give --checkpoint-dir a path on a shared file system"
+        )
 
 
 def _learner_devices(leaves) -> int:
     """The devices of the mesh the state is laid out on (1 for a state of host arrays)."""
     from jax.sharding import NamedSharding
 
-    return max((leaf.sharding.mesh.size for leaf in leaves if isinstance(getattr(leaf, "sharding", None),
-                                                                           NamedSharding)), default=1)
+    return max(
+        (leaf.sharding.mesh.size for leaf in leaves if isinstance(getattr(leaf, "sharding", None), NamedSharding)),
+        default=1,
+    )
 
 
 def check_shapes(meta: dict, leaves: list, path: str):
@@ -131,9 +137,12 @@ def check_shapes(meta: dict, leaves: list, path: str):
         raise CheckpointError(
             f"--learner-device-ids: checkpoint {path} was made on {stored} learner devices (over all processes), this "
             f"run has {here}, and this script's state is shaped by their number (a replay of one part per device "
-            f"that cannot be re-sharded): resume on {stored} learner devices (--learner-device-ids x processes)")
-    raise CheckpointError(f"--resume: checkpoint {path} holds a state of other shapes than this run's (made by another "
-                          "version of the script?); use another --run-name")
+            f"that cannot be re-sharded): resume on {stored} learner devices (--learner-device-ids x processes)"
+        )
+    raise CheckpointError(
+        f"--resume: checkpoint {path} holds a state of other shapes than this run's (made by another "
+        "version of the script?); use another --run-name"
+    )
 
 
 @contextmanager
@@ -165,80 +174,104 @@ def _stderr_held():
 
 
 class Checkpoints:
-    def __init__(self, args, world_size: int):
+    def __init__(self, directory: str, *, keep: int, world_size: int):
+        """The checkpoints in `directory` (as the user knows it: the messages name it), the newest `keep` kept."""
         import orbax.checkpoint as ocp
 
-        self.directory = args.checkpoint_dir or f"runs/{args.run_name}/checkpoints"  # as the user knows it
+        self.directory = directory
         path = os.path.abspath(self.directory)
         if world_size > 1:
             check_shared_folder(path)
-        self.manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(
-            max_to_keep=args.checkpoint_keep, enable_async_checkpointing=False))
+        self.manager = ocp.CheckpointManager(
+            path, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, update: int, state, args, summary: str):
-        """The state (any tree of arrays and PRNG keys) after `update` (unless it is saved already) with its digest.
-        orbax writes to a temporary folder and renames it when complete: a crash mid-write leaves no checkpoint that
-        looks valid. `summary` (digests) is printed. Disk full, permission denied: a RunError naming the folder."""
+    def save(self, update: int, state, *, global_step: int, flags: dict, summary: str):
+        """The state (any tree of arrays and PRNG keys) after `update` (unless it is saved already) with its digest
+        and the run's `flags`. orbax writes to a temporary folder and renames it when complete: a crash mid-write
+        leaves no checkpoint that looks valid. `summary` (digests) is printed. Disk full, permission denied: a
+        RunError naming the folder."""
         import jax
         import orbax.checkpoint as ocp
 
         if update == self.manager.latest_step():
             return
-        start, global_step = time.time(), update * args.batch_size
+        start = time.time()
         state = _keys_to_data(state)
         leaves = jax.tree.leaves(state)
         # the digest of the whole state (any layout) and what its shapes were made for: checked at restore
-        meta = {"args": settable_flags(args), "update": update, "global_step": global_step,
-                "state_sha256": tree_digest(state), "shapes": [list(np.shape(leaf)) for leaf in leaves],
-                "learner_devices": _learner_devices(leaves)}
+        meta = {
+            "args": flags,
+            "update": update,
+            "global_step": global_step,
+            "state_sha256": tree_digest(state),
+            "shapes": [list(np.shape(leaf)) for leaf in leaves],
+            "learner_devices": _learner_devices(leaves),
+        }
         try:
             with _stderr_held():
                 try:
-                    self.manager.save(update, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                                      meta=ocp.args.JsonSave(meta)))
+                    self.manager.save(
+                        update,
+                        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                    )
                 finally:
                     self.manager.wait_until_finished()  # a failed write's other threads end here too
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore wrap the OS error in their own types
             cause = os_error_in(error)
             code = re.search(r"os_error_code='(\d+)'", str(error))  # tensorstore's errors carry errno as text
-            cause = (cause.strerror if cause is not None and cause.strerror else os.strerror(int(code.group(1)))
-                     if code else str(error).splitlines()[0][:200])
+            cause = (
+                cause.strerror
+                if cause is not None and cause.strerror
+                else os.strerror(int(code.group(1)))
+                if code
+                else str(error).splitlines()[0][:200]
+            )
             logging.getLogger("asyncio").addFilter(lambda record: "never retrieved" not in record.getMessage())
             last = self.manager.latest_step()
-            raise RunError(f"cannot write checkpoint {update} into {self.directory}: {cause}; " + (
-                f"the last complete checkpoint ({last}) is intact" if last is not None else
-                "no checkpoint of this run is complete yet")) from None
-        print(f"checkpoint saved: update={update} global_step={global_step} {summary} in {time.time() - start:.2f}s",
-              flush=True)
+            raise RunError(
+                f"cannot write checkpoint {update} into {self.directory}: {cause}; "
+                + (
+                    f"the last complete checkpoint ({last}) is intact"
+                    if last is not None
+                    else "no checkpoint of this run is complete yet"
+                )
+            ) from None
+        print(
+            f"checkpoint saved: update={update} global_step={global_step} {summary} in {time.time() - start:.2f}s",
+            flush=True,
+        )
 
-    def restore(self, state, args, summary) -> tuple:
-        """The newest complete checkpoint in the shapes of `state`, checked against this run's flags: (state,
-        update), and a console line with `summary(state)`. No checkpoint: `state` as it is and update 0 (an error
-        with --resume)."""
+    def restore(self, state, *, batch_size: int, flags: dict, resume: bool, summary) -> tuple:
+        """The newest complete checkpoint in the shapes of `state`, checked against this run's steps per update
+        (`batch_size`) and the `flags` that shape its computation: (state, update), and a console line with
+        `summary(state)`. No checkpoint: `state` as it is and update 0 (an error with `resume`, --resume)."""
         import jax
         import orbax.checkpoint as ocp
 
         update = self.manager.latest_step()
         if update is None:
-            if args.resume:
+            if resume:
                 raise UsageError(f"--resume: {self.directory} has no complete checkpoint")
             return state, 0
         path = os.path.join(self.manager.directory, str(update))
         try:
             meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            if meta["global_step"] != update * args.batch_size:
+            if meta["global_step"] != update * batch_size:
                 raise CheckpointError(
-                    f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per update, this "
-                    f"run has {args.batch_size} (--local-num-envs x --num-steps x --num-actor-threads x actor devices x "
-                    "processes); use the checkpoint's values or another --run-name")
-            for name, value in computation_flags(args).items():
+                    f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per "
+                    f"update, this run has {batch_size} (--local-num-envs x --num-steps x --num-actor-threads x actor "
+                    "devices x processes); use the checkpoint's values or another --run-name"
+                )
+            for name, value in flags.items():
                 if meta["args"].get(name) != value:
                     raise CheckpointError(
-                        f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run has "
-                        f"{value}; use the checkpoint's value or another --run-name")
+                        f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run "
+                        f"has {value}; use the checkpoint's value or another --run-name"
+                    )
             template = _keys_to_data(state)
             check_shapes(meta, jax.tree.leaves(template), path)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
@@ -246,17 +279,27 @@ class Checkpoints:
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is one line, whatever orbax raised
-            raise CheckpointError(f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
-                                  f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
-                                  "from an older one") from None
+            raise CheckpointError(
+                f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
+                "from an older one"
+            ) from None
         # (checkpoints of earlier versions saved the digest of one shard as "digest": not comparable, not checked)
         if "state_sha256" in meta and tree_digest(restored["state"]) != meta["state_sha256"]:
-            raise CheckpointError(f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
-                                  "saved with it); delete it to resume from an older one")
-        restored = jax.tree.map(lambda template, x: jax.random.wrap_key_data(x) if _is_key(template) else x,
-                                state, restored["state"], is_leaf=_is_key)
-        print(f"resumed from checkpoint: update={update} global_step={meta['global_step']} {summary(restored)}",
-              flush=True)
+            raise CheckpointError(
+                f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
+                "saved with it); delete it to resume from an older one"
+            )
+        restored = jax.tree.map(
+            lambda template, x: jax.random.wrap_key_data(x) if _is_key(template) else x,
+            state,
+            restored["state"],
+            is_leaf=_is_key,
+        )
+        print(
+            f"resumed from checkpoint: update={update} global_step={meta['global_step']} {summary(restored)}",
+            flush=True,
+        )
         return restored, update
 
     def close(self):

@@ -8,20 +8,15 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from cleanrl_utils.flags import INT32_MAX, LEARNER_LOOPS, UsageError, check_choice, computation_flags, flag
-
-_distributed = {"started": False}
-
-
-def distributed_started() -> bool:
-    return _distributed["started"]
+from cleanrl_utils.cli import distributed_started, exit_process, mark_distributed
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import INT32_MAX, computation_flags, flag
 
 
 def ensure_host_devices(device_ids: list[int]):
@@ -72,12 +67,15 @@ def device_layout(args) -> DeviceLayout:
     local_devices = jax.local_devices()
     for name in ["actor_device_ids", "learner_device_ids"]:
         if max(getattr(args, name)) >= len(local_devices):
-            raise UsageError(f"{flag(name)} {getattr(args, name)} out of range: this process has {len(local_devices)} "
-                             f"{local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}")
+            raise UsageError(
+                f"{flag(name)} {getattr(args, name)} out of range: this process has {len(local_devices)} "
+                f"{local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}"
+            )
     world_size = jax.process_count()
     global_learner_devices = [
-        device for process in range(world_size) for i, device in enumerate(
-            sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
+        device
+        for process in range(world_size)
+        for i, device in enumerate(sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
         if i in args.learner_device_ids
     ]
     return DeviceLayout(
@@ -88,16 +86,6 @@ def device_layout(args) -> DeviceLayout:
         world_size=world_size,
         local_rank=jax.process_index(),
     )
-
-
-def learner_loop(requested: str, mesh) -> str:
-    """`--learner-loop`: "scan" compiles a whole update (epochs x minibatches) into one program, which suits GPUs and
-    TPUs; "python" calls one compiled minibatch step from Python, which suits CPUs, where XLA turns a conv
-    weight-gradient inside `lax.scan` into a slow loop. "auto" picks by the learner devices' platform."""
-    check_choice("learner_loop", requested, LEARNER_LOOPS)
-    if requested != "auto":
-        return requested
-    return "python" if mesh.devices.flat[0].platform == "cpu" else "scan"
 
 
 GIB = 2**30
@@ -147,25 +135,35 @@ def check_replay_fits(buffer_size: int, init, item, learner_devices: list, new_r
 
     shard = jax.eval_shape(init, item)
     need = tree_bytes(shard)
-    limits = [(device_memory_bytes(device), device, "XLA's memory limit on it")
-              for device in learner_devices if device.platform != "cpu"]
+    limits = [
+        (device_memory_bytes(device), device, "XLA's memory limit on it")
+        for device in learner_devices
+        if device.platform != "cpu"
+    ]
     cpus = [device for device in learner_devices if device.platform == "cpu"]
     if cpus:
         host = host_memory_bytes()
-        shared = f", {host / GIB:,.1f} GiB, shared by this process's {len(cpus)} CPU learner devices" if len(
-            cpus) > 1 else ""
+        shared = (
+            f", {host / GIB:,.1f} GiB, shared by this process's {len(cpus)} CPU learner devices"
+            if len(cpus) > 1
+            else ""
+        )
         limits.append((host // len(cpus), cpus[0], f"the host's memory{shared}"))
     known = [limit for limit in limits if limit[0] is not None]
     if known and need > min(limit[0] for limit in known):
         limit, device, what = min(known, key=lambda limit: limit[0])
-        raise UsageError(f"--buffer-size ({buffer_size}) needs {need / GIB:,.1f} GiB of replay on each learner device; "
-                         f"device {device} has {limit / GIB:,.1f} GiB ({what}): lower --buffer-size (about "
-                         f"{buffer_size * limit // need} fit){'' if cpus else ' or use more learner devices'}")
+        raise UsageError(
+            f"--buffer-size ({buffer_size}) needs {need / GIB:,.1f} GiB of replay on each learner device; "
+            f"device {device} has {limit / GIB:,.1f} GiB ({what}): lower --buffer-size (about "
+            f"{buffer_size * limit // need} fit){'' if cpus else ' or use more learner devices'}"
+        )
     largest = max((max(leaf.shape, default=0) for leaf in jax.tree.leaves(shard)), default=0)
     if largest + new_rows > INT32_MAX:
-        raise UsageError(f"--buffer-size ({buffer_size}) makes replay arrays of {largest} rows on each learner "
-                         f"device (+ {new_rows} written per update); their indices are int32, at most {INT32_MAX}: "
-                         f"lower --buffer-size (about {max(0, buffer_size * (INT32_MAX - new_rows) // largest)} fit)")
+        raise UsageError(
+            f"--buffer-size ({buffer_size}) makes replay arrays of {largest} rows on each learner "
+            f"device (+ {new_rows} written per update); their indices are int32, at most {INT32_MAX}: "
+            f"lower --buffer-size (about {max(0, buffer_size * (INT32_MAX - new_rows) // largest)} fit)"
+        )
 
 
 def start_distributed(args):
@@ -178,39 +176,52 @@ def start_distributed(args):
         try:
             socket.getaddrinfo(host, None)
         except (socket.gaierror, UnicodeError) as error:
-            raise UsageError(f"--coordinator-address {args.coordinator_address}: cannot resolve {host!r} "
-                             f"({getattr(error, 'strerror', None) or error}); use host:port of process 0") from None
+            raise UsageError(
+                f"--coordinator-address {args.coordinator_address}: cannot resolve {host!r} "
+                f"({getattr(error, 'strerror', None) or error}); use host:port of process 0"
+            ) from None
     started = time.time()
 
-    def give_up():
-        print(f"error: --distributed: not every process arrived within --heartbeat-timeout {args.heartbeat_timeout}s "
-              f"(waited {time.time() - started:.0f}s for {args.num_processes or 'all'} processes at "
-              f"{args.coordinator_address or 'the SLURM coordinator'}); start them all, or raise --heartbeat-timeout",
-              file=sys.stderr, flush=True)
-        os._exit(1)
+    def give_up():  # the main thread is blocked inside JAX: only ending the process ends the wait
+        exit_process(
+            1,
+            f"--distributed: not every process arrived within --heartbeat-timeout {args.heartbeat_timeout}s "
+            f"(waited {time.time() - started:.0f}s for {args.num_processes or 'all'} processes at "
+            f"{args.coordinator_address or 'the SLURM coordinator'}); start them all, or raise "
+            "--heartbeat-timeout",
+        )
 
     timer = threading.Timer(args.heartbeat_timeout, give_up)
     timer.daemon = True
     timer.start()
     try:
         # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
-        jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id,
-                                   initialization_timeout=args.heartbeat_timeout + 60,
-                                   heartbeat_timeout_seconds=args.heartbeat_timeout)
+        jax.distributed.initialize(
+            args.coordinator_address,
+            args.num_processes,
+            args.process_id,
+            initialization_timeout=args.heartbeat_timeout + 60,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
+        )
     except ValueError as error:  # e.g. no SLURM and no --coordinator-address: JAX cannot tell the cluster
         raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
     finally:
         timer.cancel()
-    _distributed["started"] = True
+    mark_distributed(True)
 
 
 def agreed_values(args) -> dict:
     """What every process of a run must share: the flags that shape the computation, the checkpoint schedule,
     and how many devices each process gives the actors and the learner (the batch is split by them)."""
-    return {**computation_flags(args), **{name: getattr(args, name) for name in [
-        "checkpoint_frequency", "checkpoint_keep", "resume", "heartbeat_timeout"]},
+    return {
+        **computation_flags(args),
+        **{
+            name: getattr(args, name)
+            for name in ["checkpoint_frequency", "checkpoint_keep", "resume", "heartbeat_timeout"]
+        },
         "actor_device_ids (count)": len(args.actor_device_ids),
-        "learner_device_ids (count)": len(args.learner_device_ids)}
+        "learner_device_ids (count)": len(args.learner_device_ids),
+    }
 
 
 def agree_on_flags(args):
@@ -223,15 +234,19 @@ def agree_on_flags(args):
         length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
         everyone = multihost_utils.process_allgather(np.frombuffer(encoded.ljust(length), np.uint8))
     except Exception as error:  # noqa: BLE001 - e.g. processes with different numbers of devices
-        raise UsageError(f"--distributed: the processes could not compare their flags ({type(error).__name__}: "
-                         f"{str(error).splitlines()[0][:200]}); start every process with the same flags and as many "
-                         "devices (the largest of --actor-device-ids and --learner-device-ids)") from None
+        raise UsageError(
+            f"--distributed: the processes could not compare their flags ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200]}); start every process with the same flags and as many "
+            "devices (the largest of --actor-device-ids and --learner-device-ids)"
+        ) from None
     tables = [json.loads(bytes(row).decode()) for row in np.asarray(everyone)]
     for name, value in tables[0].items():
         for rank, table in enumerate(tables[1:], start=1):
             if table.get(name) != value:
-                raise UsageError(f"the processes disagree on {flag(name)}: process 0 has {value}, process {rank} has "
-                                 f"{table.get(name)}; every process of a run needs the same value")
+                raise UsageError(
+                    f"the processes disagree on {flag(name)}: process 0 has {value}, process {rank} has "
+                    f"{table.get(name)}; every process of a run needs the same value"
+                )
 
 
 def agreed_time() -> int:
@@ -272,4 +287,24 @@ def shutdown():
         import jax
 
         jax.distributed.shutdown()
-        _distributed["started"] = False
+        mark_distributed(False)
+
+
+def assemble_global_rollout(per_thread_storages: list, mesh, global_envs: int):
+    """The learner's view of one update's rollouts: each actor thread's parts (one per local learner device, env axis
+    1) concatenated on their device, then viewed as one global array over the learner devices of every process (env
+    axis sharded, device-major)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    per_device = [  # per_thread_storages[thread][device] -> one rollout per local learner device
+        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages) for storages in zip(*per_thread_storages)
+    ]
+
+    def to_global(*shards):
+        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
+        sharding = NamedSharding(mesh, PartitionSpec(None, "batch"))
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
+
+    return jax.tree.map(to_global, *per_device)

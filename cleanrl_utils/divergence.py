@@ -1,23 +1,28 @@
 """Divergence: a non-finite loss or learner state stops the run (one line), never a silently wrong result.
 
 Each update the learner keeps a copy of the state it starts from (the update donates its input buffers); if the
-update's loss terms or its new state hold a NaN or an infinity, main checkpoints that copy, the last finite
-state, and raises `Diverged`: one `error:` line naming the update and the loss terms, exit code 1, no saved model.
+update's loss terms or its new state hold a NaN or an infinity, the run (cleanrl_utils.run) checkpoints that copy,
+the last finite state, and raises `Diverged`: one `error:` line naming the update and the loss terms, exit code 1,
+no saved model.
 """
 
 import numpy as np
 
-from cleanrl_utils.flags import RunError
+from cleanrl_utils.errors import RunError
 
 _all_finite = {}
 
 
 class Diverged(RunError):
     def __init__(self, update: int, metrics: dict):
-        terms = ", ".join(f"{name.split('/')[-1]}={float(value):.4g}" for name, value in metrics.items())
-        super().__init__(f"update {update} diverged (a loss term or the learner's state is NaN or infinite): {terms}; "
-                         f"the last finite state is checkpoint {update - 1}; try lower learning rates (or a "
-                         "gradient clip, where the script has one)")
+        terms = ", ".join(
+            f"{name.split('/')[-1]}={float(value):.4g}" for name, value in metrics.items() if name.startswith("losses/")
+        )
+        super().__init__(
+            f"update {update} diverged (a loss term or the learner's state is NaN or infinite): {terms}; "
+            f"the last finite state is checkpoint {update - 1}; try lower learning rates (or a "
+            "gradient clip, where the script has one)"
+        )
 
 
 def copy_state(tree):
@@ -37,6 +42,15 @@ def all_finite(metrics: dict, state) -> bool:
     if not all(np.isfinite(value) for value in metrics.values()):
         return False
     if "fn" not in _all_finite:
-        _all_finite["fn"] = jax.jit(lambda tree: jnp.all(jnp.stack([
-            jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)])))
+        _all_finite["fn"] = jax.jit(
+            lambda tree: jnp.all(
+                jnp.stack(
+                    [
+                        jnp.isfinite(leaf).all()
+                        for leaf in jax.tree.leaves(tree)
+                        if jnp.issubdtype(leaf.dtype, jnp.inexact)
+                    ]
+                )
+            )
+        )
     return bool(local_value(_all_finite["fn"](state)))

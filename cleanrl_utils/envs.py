@@ -7,13 +7,14 @@ Every script calls `check_env_id` in validate_args (one UsageError line, before 
 
 import ast
 import os
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import envpool
 import gymnasium
 import numpy as np
 
-from cleanrl_utils.flags import UsageError
+from cleanrl_utils.errors import UsageError
 
 
 class Family(NamedTuple):
@@ -25,35 +26,79 @@ class Family(NamedTuple):
 
 
 FAMILIES = {  # envpool's registry name of the family -> how the scripts train on it
-    "envpool.atari": Family("Atari", "Breakout-v5", None, "chw", dict(
-        # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ
-        episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
-        reward_clip=True,  # rewards clipped to [-1, 1]
-        noop_max=30,  # up to 30 no-op actions at the start of each episode
-        full_action_space=False,  # the minimal, game-specific action set
-        max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
-        repeat_action_probability=0.0)),  # no sticky actions, as in the IMPALA paper
-    "envpool.gfootball": Family("Google Research Football", "gfootball/academy_empty_goal_close-v1", None, "hwc",
+    "envpool.atari": Family(
+        "Atari",
+        "Breakout-v5",
+        None,
+        "chw",
+        dict(
+            # IMPALA's Atari setup (Espeholt et al. 2018, Appendix G); envpool's defaults differ
+            episodic_life=True,  # a lost life ends the episode for learning (scores still count whole games)
+            reward_clip=True,  # rewards clipped to [-1, 1]
+            noop_max=30,  # up to 30 no-op actions at the start of each episode
+            full_action_space=False,  # the minimal, game-specific action set
+            max_episode_steps=108_000 // 4,  # 108k frames (30 minutes of play) = 27k steps at frame-skip 4
+            repeat_action_probability=0.0,
+        ),
+    ),  # no sticky actions, as in the IMPALA paper
+    "envpool.gfootball": Family(
+        "Google Research Football",
+        "gfootball/academy_empty_goal_close-v1",
+        None,
+        "hwc",
         # SEED RL's football/env.py: the Super Mini Map (SMM, 72 x 96 x 4 planes), "scoring" rewards, action
         # repeat 1. envpool has exactly these and no frame stacking (SEED stacks 4 SMM frames): one frame here.
-        dict(physics_steps_per_frame=10)),  # gfootball's own default, as SEED RL uses it
-    "envpool.vizdoom": Family("VizDoom", "Basic-v1", None, "chw", dict(
-        use_combined_action=True,  # Discrete over button combinations instead of a Box of buttons
-        frame_skip=4,  # Sample Factory's --env_frameskip default for Doom (Petrenko et al. 2020, Sec. 4)
-        stack_num=4,  # 4 stacked RGB frames (12 x 84 x 84): our torsos are feed-forward (no RNN)
-        img_height=84, img_width=84, episodic_life=False)),
-    "envpool.minigrid": Family("MiniGrid", "MiniGrid-Empty-5x5-v0", None, "vector",
+        dict(physics_steps_per_frame=10),
+    ),  # gfootball's own default, as SEED RL uses it
+    "envpool.vizdoom": Family(
+        "VizDoom",
+        "Basic-v1",
+        None,
+        "chw",
+        dict(
+            use_combined_action=True,  # Discrete over button combinations instead of a Box of buttons
+            frame_skip=4,  # Sample Factory's --env_frameskip default for Doom (Petrenko et al. 2020, Sec. 4)
+            stack_num=4,  # 4 stacked RGB frames (12 x 84 x 84): our torsos are feed-forward (no RNN)
+            img_height=84,
+            img_width=84,
+            episodic_life=False,
+        ),
+    ),
+    "envpool.minigrid": Family(
+        "MiniGrid",
+        "MiniGrid-Empty-5x5-v0",
+        None,
+        "vector",
         # MiniGrid's own per-task settings (Chevalier-Boisvert et al. 2023: 7x7 egocentric view, max_steps
         # per task) are envpool's per-id defaults, so nothing is overridden
-        {}),
-    "envpool.procgen": Family("Procgen", "BigfishEasy-v0", None, "chw", dict(
-        # the distribution mode is the id's Easy/Hard; Cobbe et al. 2020 train on the unrestricted level
-        # distribution for sample efficiency (num_levels=0) with all backgrounds, as the paper's benchmark
-        num_levels=0, start_level=0, use_backgrounds=True, channel_first=True)),
+        {},
+    ),
+    "envpool.procgen": Family(
+        "Procgen",
+        "BigfishEasy-v0",
+        None,
+        "chw",
+        dict(
+            # the distribution mode is the id's Easy/Hard; Cobbe et al. 2020 train on the unrestricted level
+            # distribution for sample efficiency (num_levels=0) with all backgrounds, as the paper's benchmark
+            num_levels=0,
+            start_level=0,
+            use_backgrounds=True,
+            channel_first=True,
+        ),
+    ),
     "envpool.mujoco.gym": Family("MuJoCo (gym)", None, "HalfCheetah-v4", "vector", {}),
-    "envpool.mujoco.dmc": Family("DeepMind Control", None, "CheetahRun-v1", "vector", dict(
-        # Tassa et al. 2018 (DeepMind Control Suite, Sec. 2): 1000-step episodes, rewards in [0, 1], no repeat
-        frame_skip=1, max_episode_steps=1000)),
+    "envpool.mujoco.dmc": Family(
+        "DeepMind Control",
+        None,
+        "CheetahRun-v1",
+        "vector",
+        dict(
+            # Tassa et al. 2018 (DeepMind Control Suite, Sec. 2): 1000-step episodes, rewards in [0, 1], no repeat
+            frame_skip=1,
+            max_episode_steps=1000,
+        ),
+    ),
     # CartPole-v1, Acrobot-v1, ... (Discrete) and Pendulum-v1 (Box): the id's action space says which scripts take it
     "envpool.classic_control": Family("classic control", "CartPole-v1", "Pendulum-v1", "vector", {}),
 }
@@ -65,8 +110,19 @@ FORK_SAFE_ENV = {"envpool.vizdoom": {"OPENBLAS_NUM_THREADS": "1"}}
 CANNOT_START_HINTS = {"envpool.procgen": "install the Qt 5 runtime first: apt-get install libqt5gui5 (Debian/Ubuntu)"}
 # envpool options --env-options may not set: make_envpool sets the first ones, and the torsos assume the layout the
 # rest give (Procgen's channel order, VizDoom's discrete combined actions)
-FIXED_OPTIONS = {"num_envs", "batch_size", "num_threads", "seed", "env_seed", "max_num_players", "base_path",
-                 "thread_affinity_offset", "gym_reset_return_info", "channel_first", "use_combined_action"}
+FIXED_OPTIONS = {
+    "num_envs",
+    "batch_size",
+    "num_threads",
+    "seed",
+    "env_seed",
+    "max_num_players",
+    "base_path",
+    "thread_affinity_offset",
+    "gym_reset_return_info",
+    "channel_first",
+    "use_combined_action",
+}
 DICT_OBS_SKIPPED = {"mission"}  # MiniGrid's instruction as bytes: constant per MiniGrid-* id, needs a text encoder
 
 
@@ -85,8 +141,9 @@ def env_options(env_id: str, overrides: Sequence[str] = ()) -> dict:
         key, equals, text = pair.partition("=")
         if not equals or key not in defaults or key in FIXED_OPTIONS:
             allowed = ", ".join(sorted(set(defaults) - FIXED_OPTIONS))
-            raise UsageError(f"--env-options {pair!r} is not KEY=VALUE with a KEY of {env_id}'s envpool options: "
-                             f"{allowed}")
+            raise UsageError(
+                f"--env-options {pair!r} is not KEY=VALUE with a KEY of {env_id}'s envpool options: {allowed}"
+            )
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
@@ -96,8 +153,10 @@ def env_options(env_id: str, overrides: Sequence[str] = ()) -> dict:
             value = float(value)
         sequences = isinstance(default, (list, tuple)) and isinstance(value, (list, tuple))
         if type(value) is not type(default) and not sequences:
-            raise UsageError(f"--env-options {pair!r}: {key} takes {type(default).__name__} values (envpool's default for "
-                             f"{env_id}: {default!r})")
+            raise UsageError(
+                f"--env-options {pair!r}: {key} takes {type(default).__name__} values (envpool's default for "
+                f"{env_id}: {default!r})"
+            )
         options[key] = value
     return options
 
@@ -105,6 +164,7 @@ def env_options(env_id: str, overrides: Sequence[str] = ()) -> dict:
 def check_env_id(env_id: str, *, discrete: bool, env_options: Sequence[str] = ()):
     """UsageError (one line naming --env-id or --env-options) unless `env_id` is an envpool id of a family this kind
     of script trains on, `env_options` are options of it, and it can start on this machine."""
+
     def example(family):
         return family.discrete_example if discrete else family.continuous_example
 
@@ -115,17 +175,21 @@ def check_env_id(env_id: str, *, discrete: bool, env_options: Sequence[str] = ()
         raise UsageError(f"--env-id {env_id!r} is not supported{why}: use an envpool id of {allowed}")
     for name, value in FORK_SAFE_ENV.get(env_family(env_id), {}).items():
         if os.environ.get(name) != value:
-            raise UsageError(f"--env-id {env_id!r} needs {name}={value} in the environment (found "
-                             f"{os.environ.get(name)!r}): its game processes are forked from several threads at once, "
-                             f"and OpenBLAS's fork handler can hang then")
+            raise UsageError(
+                f"--env-id {env_id!r} needs {name}={value} in the environment (found "
+                f"{os.environ.get(name)!r}): its game processes are forked from several threads at once, "
+                f"and OpenBLAS's fork handler can hang then"
+            )
     try:
         action_space = env_spaces(env_id, env_options)[1]  # with the family's options (VizDoom's combined actions)
     except ImportError as error:  # envpool imports a family's library on first use
         hint = CANNOT_START_HINTS.get(env_family(env_id), "see envpool's install notes for this family")
         raise UsageError(f"--env-id {env_id!r} cannot start here ({str(error).splitlines()[0]}): {hint}") from None
     if hasattr(action_space, "n") != discrete:
-        raise UsageError(f"--env-id {env_id!r} is not supported ({'continuous' if discrete else 'discrete'} "
-                         f"actions): use an envpool id of {allowed}")
+        raise UsageError(
+            f"--env-id {env_id!r} is not supported ({'continuous' if discrete else 'discrete'} "
+            f"actions): use an envpool id of {allowed}"
+        )
 
 
 def obs_layout(env_id: str) -> str:
@@ -175,16 +239,29 @@ class FlatObsEnvs:
         return getattr(self.envs, name)
 
 
-def make_envpool(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
-                 overrides: Sequence[str] = ()):
+def make_envpool(
+    env_id: str,
+    seed: int,
+    num_envs: int,
+    render_mode: str | None = None,
+    num_threads: int = 0,
+    overrides: Sequence[str] = (),
+):
     """envpool gymnasium envs with the family's options and `overrides` (--env-options); env i of the pool is seeded
     with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
     if env_family(env_id) == "envpool.vizdoom":
         # each VizDoom game process creates ./_vizdoom/ when it is missing; several starting at once race on it, the
         # loser exits and envpool then crashes (a segfault in 2 of 8 starts in new folders here): create it first
         os.makedirs("_vizdoom", exist_ok=True)
-    envs = envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=seed, render_mode=render_mode,
-                        num_threads=num_threads, **env_options(env_id, overrides))
+    envs = envpool.make(
+        env_id,
+        env_type="gymnasium",
+        num_envs=num_envs,
+        seed=seed,
+        render_mode=render_mode,
+        num_threads=num_threads,
+        **env_options(env_id, overrides),
+    )
     return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
 
 
@@ -198,8 +275,11 @@ def random_policy_return(env_id: str, episodes: int, seed: int = 123, overrides:
         envs.reset()
         space, returns, episode_return = envs.action_space, [[] for _ in range(8)], np.zeros(8)
         while min(len(r) for r in returns) < per_env:
-            actions = (rng.integers(space.n, size=8) if hasattr(space, "n")
-                       else rng.uniform(space.low, space.high, size=(8, *space.shape)))
+            actions = (
+                rng.integers(space.n, size=8)
+                if hasattr(space, "n")
+                else rng.uniform(space.low, space.high, size=(8, *space.shape))
+            )
             _, reward, terminated, truncated, _ = envs.step(actions)
             episode_return += reward
             for i in np.flatnonzero(terminated | truncated):

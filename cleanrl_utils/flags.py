@@ -1,36 +1,19 @@
-"""Flags: the typed errors, the marker for flags a resumed run may change, checks, the CLI entry.
-
-Library code raises `UsageError` (bad input) or `RunError` (a run that cannot go on: a full disk, divergence);
-only `run_cli` turns them into what a user sees: one `error:` line, exit code 2 (like argparse) or 1.
+"""Flags: the ones every script shares (`RunArgs`, `SebulbaArgs`: a script's `Args` extends them), the marker for
+flags a resumed run may change (`RunSetting`), and the range checks, each failing with a `UsageError` that names the
+flag and what is allowed.
 """
 
 import dataclasses
 import math
-import errno
 import os
 import re
-import sys
 import typing
+from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
-import tyro
+from cleanrl_utils.errors import UsageError
 
 T = TypeVar("T")
-
-
-class UsageError(ValueError):
-    """Bad input, named by its flag: `run_cli` prints it as one `error:` line and exits with code 2."""
-
-
-class RunError(RuntimeError):
-    """A run that cannot go on (disk full, permission denied, divergence): one `error:` line, exit code 1."""
-
-
-def os_error_line(error: OSError, doing: str = "cannot write") -> str:
-    """An OSError as one line with the path and the cause, e.g. "cannot write runs/x/f: No space left on device"."""
-    path = error.filename or "?"
-    cause = error.strerror or errno.errorcode.get(error.errno, str(error))
-    return f"{doing} {path}: {cause}"
 
 
 class _RunSetting:
@@ -56,12 +39,25 @@ def settable_flags(args) -> dict:
 def computation_flags(args) -> dict:
     """The flags that shape the computation: every settable flag not marked `RunSetting`."""
     hints = typing.get_type_hints(type(args), include_extras=True)
-    return {name: value for name, value in settable_flags(args).items()
-            if RUN_SETTING not in getattr(hints[name], "__metadata__", ())}
+    return {
+        name: value
+        for name, value in settable_flags(args).items()
+        if RUN_SETTING not in getattr(hints[name], "__metadata__", ())
+    }
 
 
-def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), non_negative=(), unit_interval=(),
-                positive_int_lists=(), device_id_lists=(), ranges=None):
+def check_flags(
+    args,
+    *,
+    positive_ints=(),
+    non_negative_ints=(),
+    positive=(),
+    non_negative=(),
+    unit_interval=(),
+    positive_int_lists=(),
+    device_id_lists=(),
+    ranges=None,
+):
     """Range checks by kind, each failing with the flag's name and what is allowed. Floats must be finite.
     `ranges`: {name: (low, high)}, both included (an upper bound where the OS or JAX has one)."""
     for name, (low, high) in (ranges or {}).items():
@@ -73,7 +69,9 @@ def check_flags(args, *, positive_ints=(), non_negative_ints=(), positive=(), no
             raise UsageError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
     for name in non_negative_ints:
         if getattr(args, name) < 0:
-            raise UsageError(f"{flag(name)} must be 0 (off / automatic) or a positive integer, got {getattr(args, name)}")
+            raise UsageError(
+                f"{flag(name)} must be 0 (off / automatic) or a positive integer, got {getattr(args, name)}"
+            )
     for name in positive:
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise UsageError(f"{flag(name)} must be positive and finite, got {getattr(args, name)}")
@@ -103,55 +101,36 @@ NAME = re.compile(r"[A-Za-z0-9._-]+")
 def check_name(value: str | None, name: str):
     """Run and experiment names are one path component: letters, digits and `._-`, not `.` or `..`."""
     if value is not None and (not NAME.fullmatch(value) or value in (".", "..")):
-        raise UsageError(f"{flag(name)} must be one folder name of letters, digits and ._- (not . or ..), got {value!r}")
-
-
-def check_choice(name: str, value, choices):
-    if value not in choices:
-        raise UsageError(f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {value!r}")
-
-
-LEARNER_LOOPS = ("auto", "scan", "python")  # see cleanrl_utils.devices.learner_loop
-
-
-def run_cli(main, args_class, argv: list[str] | None = None):
-    """Parse the flags with tyro and run `main(args)`; a `UsageError` becomes one `error:` line and exit code 2.
-
-    A `RunError` or an `OSError` (disk full, permission denied, read-only) is one line with exit code 1.
-    After jax.distributed has started, the exit skips the interpreter's shutdown: its exit barrier would wait
-    for peers that may still be training (they stop with their own error, or when their heartbeat times out).
-    """
-    args = tyro.cli(args_class, args=argv)
-    try:
-        return main(args)
-    except (UsageError, RunError, OSError) as error:
-        code = 2 if isinstance(error, UsageError) else 1
-        print(f"error: {os_error_line(error) if isinstance(error, OSError) else error}", file=sys.stderr, flush=True)
-        from cleanrl_utils import devices
-
-        if devices.distributed_started():
-            sys.stdout.flush()
-            os._exit(code)
-        sys.exit(code)
+        raise UsageError(
+            f"{flag(name)} must be one folder name of letters, digits and ._- (not . or ..), got {value!r}"
+        )
 
 
 def check_run_flags(args):
     """The flags every script shares (logging, checkpoints, devices, processes): checked before JAX starts."""
-    check_flags(args, positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"],
-                non_negative_ints=["checkpoint_frequency"], device_id_lists=["actor_device_ids", "learner_device_ids"],
-                ranges={"seed": (0, MAX_SEED), "total_timesteps": (1, MAX_COUNT),
-                        "envpool_threads": (0, os.cpu_count()), "queue_timeout": (0.001, 3600),
-                        "heartbeat_timeout": (1, MAX_SECONDS), "num_processes": (1, 65_536), "process_id": (0, 65_535),
-                        # the replay scripts' capacity: larger sizes are refused by devices.check_replay_fits
-                        **({"buffer_size": (1, MAX_COUNT)} if hasattr(args, "buffer_size") else {})})
+    check_flags(
+        args,
+        positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes", "num_actor_threads"],
+        non_negative_ints=["checkpoint_frequency"],
+        device_id_lists=["actor_device_ids", "learner_device_ids"],
+        ranges={
+            "seed": (0, MAX_SEED),
+            "total_timesteps": (1, MAX_COUNT),
+            "envpool_threads": (0, os.cpu_count()),
+            "queue_timeout": (0.001, 3600),
+            "heartbeat_timeout": (1, MAX_SECONDS),
+            "num_processes": (1, 65_536),
+            "process_id": (0, 65_535),
+            # the replay scripts' capacity: larger sizes are refused by devices.check_replay_fits
+            **({"buffer_size": (1, MAX_COUNT)} if hasattr(args, "buffer_size") else {}),
+        },
+    )
     check_name(args.run_name, "run_name")
     check_name(args.exp_name, "exp_name")
     if not args.distributed:
         for name in ["coordinator_address", "num_processes", "process_id"]:
             if getattr(args, name) is not None:
                 raise UsageError(f"{flag(name)} needs --distributed (a run of several processes)")
-    if hasattr(args, "learner_loop"):
-        check_choice("learner_loop", args.learner_loop, LEARNER_LOOPS)
     if args.resume and args.run_name is None:
         raise UsageError("--resume needs --run-name: the name of the run to continue")
     if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
@@ -169,12 +148,114 @@ def check_int32_counts(args, counts: dict[str, tuple[str, int]]):
     `args.batch_size` are known."""
     for what, (flags, per_update) in counts.items():
         if per_update > INT32_MAX:
-            raise UsageError(f"{flags} ({what} per update) must be at most {INT32_MAX}: they are counted in int32, "
-                             f"got {per_update}")
+            raise UsageError(
+                f"{flags} ({what} per update) must be at most {INT32_MAX}: they are counted in int32, got {per_update}"
+            )
     what, (flags, per_update) = min(counts.items(), key=lambda count: INT32_MAX // max(count[1][1], 1))
     largest_updates = INT32_MAX // max(per_update, 1)
     if args.num_updates > largest_updates:
-        raise UsageError(f"--total-timesteps ({args.total_timesteps}) must be at most "
-                         f"{(largest_updates + 1) * args.batch_size - 1} with {args.batch_size} env steps per update: "
-                         f"{what} ({flags} = {per_update} per update) are counted in int32, at most {INT32_MAX} in a "
-                         "run")
+        raise UsageError(
+            f"--total-timesteps ({args.total_timesteps}) must be at most "
+            f"{(largest_updates + 1) * args.batch_size - 1} with {args.batch_size} env steps per update: "
+            f"{what} ({flags} = {per_update} per update) are counted in int32, at most {INT32_MAX} in a "
+            "run"
+        )
+
+
+@dataclass
+class RunArgs:
+    """The run's settings, the same in every script. RunSetting[...]: where and how the run runs, not what it
+    computes; a resumed run may change these flags."""
+
+    exp_name: str | None = None
+    """the name of this experiment (default: the script's file name without .py)"""
+    seed: int = 1
+    """seed of the experiment (in [0, 2**32 - 1])"""
+    run_name: str | None = None
+    """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
+    track: RunSetting[bool] = False
+    """if toggled, this experiment will be tracked with Weights and Biases"""
+    wandb_project_name: RunSetting[str] = "cleanba"
+    """the wandb's project name"""
+    wandb_entity: RunSetting[str | None] = None
+    """the entity (team) of wandb's project"""
+    save_model: RunSetting[bool] = False
+    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
+    eval_episodes: RunSetting[int] = 10
+    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return)
+    (positive)"""
+    eval_greedy: RunSetting[bool] = False
+    """with --save-model: evaluate with the most likely action instead of sampling it"""
+    capture_video: RunSetting[bool] = False
+    """with --save-model: record the evaluation episodes of env 0 as MP4 files into videos/{run_name}/"""
+    upload_model: RunSetting[bool] = False
+    """with --save-model: upload the model, its card, this script and a video to the Hugging Face Hub"""
+    hf_entity: RunSetting[str | None] = None
+    """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's
+    user)"""
+    log_frequency: RunSetting[int] = 10
+    """print a console line every this many updates (TensorBoard gets every update) (positive)"""
+    checkpoint_frequency: RunSetting[int] = 100
+    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT; non-negative)"""
+    checkpoint_keep: RunSetting[int] = 3
+    """how many of the newest checkpoints to keep (positive)"""
+    checkpoint_dir: RunSetting[str | None] = None
+    """the checkpoints' folder (default: runs/{run_name}/checkpoints); with --distributed, one folder that every
+    process sees (a shared file system): checked at start"""
+    resume: RunSetting[bool] = False
+    """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
+
+
+@dataclass
+class SebulbaArgs(RunArgs):
+    """The Sebulba flags (devices, threads, processes) and the values derived from them, the same in every script."""
+
+    num_actor_threads: int = 2
+    """the number of actor threads on each actor device (positive)"""
+    envpool_threads: RunSetting[int] = 0
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in
+    [0, this machine's cores])"""
+    actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
+    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
+    learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
+    """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
+    concurrency: bool = True
+    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
+    distributed: RunSetting[bool] = False
+    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
+    coordinator_address: RunSetting[str | None] = None
+    """with --distributed outside SLURM: host:port of process 0"""
+    num_processes: RunSetting[int | None] = None
+    """with --distributed outside SLURM: the number of processes (in [1, 65536])"""
+    process_id: RunSetting[int | None] = None
+    """with --distributed outside SLURM: the id of this process, in [0, num_processes)"""
+    heartbeat_timeout: RunSetting[int] = 30
+    """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
+    wait for every process to start (in [1, 86400])"""
+    queue_timeout: RunSetting[float] = 1.0
+    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
+
+    # derived when the run starts (cleanrl_utils.run), not flags
+    local_batch_size: int = field(init=False, default=0)
+    """steps per update collected by this process"""
+    batch_size: int = field(init=False, default=0)
+    """steps per update over all processes"""
+    num_updates: int = field(init=False, default=0)
+    """the number of learner updates"""
+    world_size: int = field(init=False, default=1)
+    """the number of processes"""
+    local_rank: int = field(init=False, default=0)
+    """this process's index"""
+
+
+def derive_batch_values(args: SebulbaArgs, *, world_size: int, local_rank: int, num_actor_devices: int):
+    """The values every Sebulba script derives from its flags and the device layout (a script adds its own)."""
+    args.world_size, args.local_rank = world_size, local_rank
+    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * num_actor_devices
+    args.batch_size = args.local_batch_size * world_size
+    args.num_updates = args.total_timesteps // args.batch_size
+    if args.num_updates < 1:
+        raise UsageError(
+            f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
+            "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)"
+        )

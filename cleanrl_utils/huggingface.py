@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.flags import UsageError
-from cleanrl_utils.run_folder import atomic_write
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.files import atomic_write
 
 
 def repo_name(env_id: str, exp_name: str, seed: int) -> str:
@@ -27,8 +27,17 @@ def script_summary(script_path: str | Path) -> str:
     return docstring.splitlines()[0] if docstring else ""
 
 
-def model_card(repo_id: str, args: dict, script_name: str, summary: str, command: str, episodic_returns: list[float],
-               greedy: bool, model_file: str, has_video: bool) -> str:
+def model_card(
+    repo_id: str,
+    args: dict,
+    script_name: str,
+    summary: str,
+    command: str,
+    episodic_returns: list[float],
+    greedy: bool,
+    model_file: str,
+    has_video: bool,
+) -> str:
     """The README.md of the Hub repo (a pure function of its inputs)."""
     from huggingface_hub import EvalResult, ModelCardData
 
@@ -38,9 +47,17 @@ def model_card(repo_id: str, args: dict, script_name: str, summary: str, command
         library_name="cleanrl",
         tags=[env_id, "deep-reinforcement-learning", "reinforcement-learning", "custom-implementation", "cleanba"],
         model_name=script_name,
-        eval_results=[EvalResult(task_type="reinforcement-learning", task_name="reinforcement-learning",
-                                 dataset_type=env_id, dataset_name=env_id, metric_type="mean_reward",
-                                 metric_name="mean_reward", metric_value=f"{mean:.2f} +/- {std:.2f}")],
+        eval_results=[
+            EvalResult(
+                task_type="reinforcement-learning",
+                task_name="reinforcement-learning",
+                dataset_type=env_id,
+                dataset_name=env_id,
+                metric_type="mean_reward",
+                metric_name="mean_reward",
+                metric_value=f"{mean:.2f} +/- {std:.2f}",
+            )
+        ],
     )
     video = '<video src="replay.mp4" controls autoplay loop></video>\n\n' if has_video else ""
     returns = ", ".join(f"{r:.2f}" for r in episodic_returns)
@@ -84,8 +101,9 @@ uv run python -m cleanrl_utils.evals.evaluate --model-path {repo_id.split("/")[-
 """
 
 
-def prepare_upload_folder(folder: str | Path, model_path: str | Path, script_path: str | Path, card: str,
-                          video_path: str | Path | None) -> Path:
+def prepare_upload_folder(
+    folder: str | Path, model_path: str | Path, script_path: str | Path, card: str, video_path: str | Path | None
+) -> Path:
     """The folder that is uploaded: README.md, the model, the script and replay.mp4 (if there is a video)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,8 +123,14 @@ def check_token():
         raise UsageError("--upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
 
 
-def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, script_path: str | Path,
-                video_folder: str | Path | None = None, greedy: bool = False) -> bool:
+def push_to_hub(
+    args,
+    episodic_returns: list[float],
+    model_path: str | Path,
+    script_path: str | Path,
+    video_folder: str | Path | None = None,
+    greedy: bool = False,
+) -> bool:
     """Write runs/{run_name}/hub/ and upload it. `args` is the script's Args (env_id, exp_name, seed,
     hf_entity). On failure, print one `error:` line saying where the files are and return False."""
     from dataclasses import asdict
@@ -121,9 +145,17 @@ def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, scr
     script_name = Path(script_path).stem
 
     def card(repo_id: str) -> str:
-        return model_card(repo_id, args_dict, script_name, script_summary(script_path),
-                          " ".join(["python", *sys.argv]), episodic_returns, greedy, Path(model_path).name,
-                          has_video=bool(videos))
+        return model_card(
+            repo_id,
+            args_dict,
+            script_name,
+            script_summary(script_path),
+            " ".join(["python", *sys.argv]),
+            episodic_returns,
+            greedy,
+            Path(model_path).name,
+            has_video=bool(videos),
+        )
 
     prepare_upload_folder(folder, model_path, script_path, card(repo_id), videos[0] if videos else None)
     try:
@@ -134,9 +166,12 @@ def push_to_hub(args, episodic_returns: list[float], model_path: str | Path, scr
         repo_url = api.create_repo(repo_id, exist_ok=True)
         api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=f"Cleanba {script_name}: {args.run_name}")
     except Exception as error:  # network, authentication, permissions: report, keep the files
-        print(f"error: --upload-model: uploading to {repo_id} failed ({type(error).__name__}: "
-              f"{str(error).splitlines()[0][:200] if str(error) else ''}); the model, its card, the script and the "
-              f"video are kept in {folder}/: upload them later with `hf upload {repo_id} {folder} .`", file=sys.stderr)
+        print(
+            f"error: --upload-model: uploading to {repo_id} failed ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200] if str(error) else ''}); the model, its card, the script and the "
+            f"video are kept in {folder}/: upload them later with `hf upload {repo_id} {folder} .`",
+            file=sys.stderr,
+        )
         return False
     print(f"model uploaded to {repo_url}", flush=True)
     return True

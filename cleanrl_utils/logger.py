@@ -1,22 +1,87 @@
 """Logging of a run: TensorBoard (process 0), W&B with --track, the console line, throughput and memory.
 
-Per update the script passes its own scalars (losses, learning rate, policy versions, learner times) and the
+Per update the learner passes its own scalars (losses, learning rate, policy versions, learner times) and the
 actor threads' stats; the logger adds SPS, episode returns and lengths, the actors' mean stage times and the
 peak memory, writes them at the update's global step, and prints a console line every `--log-frequency` updates.
+An actor thread's stats are what its `StageTimer` and `EpisodeStats` read out (the names below are the ones logged).
 """
 
 import re
 import resource
 import sys
 import time
-from dataclasses import asdict
 
 import numpy as np
 
 from cleanrl_utils.summary_writer import SummaryWriter
 
-ACTOR_TIMES = ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time", "storage_time",
-               "rollout_queue_put_time"]
+# an actor thread's stages, logged as stats/{stage}: seconds per update, the mean over the actor threads
+ACTOR_STAGES = (
+    "params_queue_get_time",
+    "rollout_time",
+    "inference_time",
+    "env_step_time",
+    "storage_time",
+    "rollout_queue_put_time",
+)
+
+
+class _Stage:
+    __slots__ = ("seconds", "name", "start")
+
+    def __init__(self, seconds: dict, name: str):
+        self.seconds, self.name = seconds, name
+
+    def __enter__(self):
+        self.start = time.time()
+
+    def __exit__(self, *exception):
+        self.seconds[self.name] += time.time() - self.start
+
+
+class StageTimer:
+    """`with timer("inference_time"): ...` adds the block's seconds to its stage (one of ACTOR_STAGES; nested stages
+    count in both); `read()` returns the seconds since the last read and starts again from 0."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(ACTOR_STAGES, 0.0)
+        self.stages = {name: _Stage(self.seconds, name) for name in ACTOR_STAGES}
+
+    def __call__(self, stage: str) -> _Stage:
+        return self.stages[stage]  # a KeyError names a stage the logger would not know
+
+    def read(self) -> dict:
+        seconds = dict(self.seconds)
+        self.seconds.update(dict.fromkeys(ACTOR_STAGES, 0.0))
+        return seconds
+
+
+class EpisodeStats:
+    """Each env's last finished episode on the real game: unclipped rewards (Atari's info["reward"]) summed over whole
+    games despite episodic life (info["terminated"] marks game over, not a lost life); envpool's reset step after an
+    episode's end is not a step of the game. NaN until an env finishes its first episode."""
+
+    def __init__(self, num_envs: int):
+        self.episode_returns = np.zeros(num_envs, dtype=np.float64)
+        self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
+        self.returned_episode_returns = np.full(num_envs, np.nan)
+        self.returned_episode_lengths = np.full(num_envs, np.nan)
+
+    def step(self, reward, terminated, truncated, info: dict, counted):
+        """After an env step; `counted`: the envs whose step was a step of the game (not envpool's reset step)."""
+        self.episode_returns += info.get("reward", reward)
+        self.episode_lengths += counted
+        game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
+        self.returned_episode_returns = np.where(game_over, self.episode_returns, self.returned_episode_returns)
+        self.returned_episode_lengths = np.where(game_over, self.episode_lengths, self.returned_episode_lengths)
+        self.episode_returns *= ~game_over
+        self.episode_lengths *= ~game_over
+
+    def read(self) -> dict:
+        return {
+            "returned_episode_returns": self.returned_episode_returns.copy(),
+            "returned_episode_lengths": self.returned_episode_lengths.copy(),
+        }
 
 
 def peak_rss_mib() -> float:
@@ -35,47 +100,79 @@ def device_peak_memory_mib() -> dict:
 
 
 class RunLogger:
-    def __init__(self, args, *, is_main_process: bool, world_size: int, start_update: int):
-        self.args, self.world_size, self.start_update = args, world_size, start_update
+    def __init__(
+        self,
+        run_name: str,
+        *,
+        config: dict,
+        batch_size: int,
+        local_batch_size: int,
+        num_updates: int,
+        log_frequency: int,
+        wandb_project: str | None,
+        wandb_entity: str | None,
+        is_main_process: bool,
+        world_size: int,
+        start_update: int,
+    ):
+        """Logs into runs/{run_name} (process 0), and into W&B's `wandb_project` if given (--track); `config`: the
+        run's flags and derived values, its hyperparameters table. `batch_size` env steps per update over all
+        processes (`local_batch_size` in this one), `num_updates` in all."""
+        self.batch_size, self.local_batch_size, self.num_updates = batch_size, local_batch_size, num_updates
+        self.log_frequency, self.world_size, self.start_update = log_frequency, world_size, start_update
+        self.track = wandb_project is not None
         self.start_time = time.time()
         self.writer = None
         if is_main_process:
-            if args.track:
+            if self.track:
                 import wandb
 
-                wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=asdict(args),
-                           name=args.run_name, id=re.sub(r"[^\w.-]", "_", args.run_name), resume="allow",
-                           save_code=True)
-            self.writer = SummaryWriter(f"runs/{args.run_name}", use_wandb=args.track,
-                                        resume_step=start_update * args.batch_size)
+                wandb.init(
+                    project=wandb_project,
+                    entity=wandb_entity,
+                    config=config,
+                    name=run_name,
+                    id=re.sub(r"[^\w.-]", "_", run_name),
+                    resume="allow",
+                    save_code=True,
+                )
+            self.writer = SummaryWriter(f"runs/{run_name}", use_wandb=self.track, resume_step=start_update * batch_size)
             if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
-                self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n"
-                                     + "\n".join(f"|{key}|{value}|" for key, value in asdict(args).items()))
+                self.writer.add_text(
+                    "hyperparameters",
+                    "|param|value|\n|-|-|\n" + "\n".join(f"|{key}|{value}|" for key, value in config.items()),
+                )
 
     def log_update(self, update: int, scalars: dict, actor_stats: list[dict]):
         """`scalars` holds stats/actor_policy_version and stats/learner_policy_version (the console shows them)."""
-        args = self.args
-        global_step = update * args.batch_size
+        global_step = update * self.batch_size
         elapsed = time.time() - self.start_time
         returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
         lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
-        scalars = {"charts/SPS": int((update - self.start_update) * args.batch_size / elapsed), **scalars,
-                   **{f"stats/{name}": np.mean([s[name] for s in actor_stats]) for name in ACTOR_TIMES},
-                   "stats/peak_rss_mib": peak_rss_mib(), **device_peak_memory_mib()}
+        scalars = {
+            "charts/SPS": int((update - self.start_update) * self.batch_size / elapsed),
+            **scalars,
+            **{f"stats/{name}": np.mean([s[name] for s in actor_stats]) for name in ACTOR_STAGES},
+            "stats/peak_rss_mib": peak_rss_mib(),
+            **device_peak_memory_mib(),
+        }
         if not np.all(np.isnan(returns)):
             scalars["charts/avg_episodic_return"] = np.nanmean(returns)
             scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
         if self.writer is not None:
             self.writer.add_scalars(scalars, global_step)
             self.flush()  # on disk before any checkpoint of this update counts as complete
-        if update % args.log_frequency == 0 or update == args.num_updates:
-            eta = (args.num_updates - update) * elapsed / (update - self.start_update)
-            process_sps = int(args.local_batch_size * (update - self.start_update) / elapsed)
+        if update % self.log_frequency == 0 or update == self.num_updates:
+            eta = (self.num_updates - update) * elapsed / (update - self.start_update)
+            process_sps = int(self.local_batch_size * (update - self.start_update) / elapsed)
             process_sps = f"process_SPS={process_sps} " if self.world_size > 1 else ""
-            print(f"update={update}/{args.num_updates} global_step={global_step} SPS={scalars['charts/SPS']} "
-                  f"{process_sps}avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
-                  f"actor_policy_version={scalars['stats/actor_policy_version']:.0f} "
-                  f"learner_policy_version={scalars['stats/learner_policy_version']:.0f} ETA={eta:.0f}s", flush=True)
+            print(
+                f"update={update}/{self.num_updates} global_step={global_step} SPS={scalars['charts/SPS']} "
+                f"{process_sps}avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
+                f"actor_policy_version={scalars['stats/actor_policy_version']:.0f} "
+                f"learner_policy_version={scalars['stats/learner_policy_version']:.0f} ETA={eta:.0f}s",
+                flush=True,
+            )
 
     def flush(self):
         """On disk now: an update's scalars are written before its checkpoint counts as complete."""
@@ -89,7 +186,7 @@ class RunLogger:
 
     def finish(self):
         self.close()
-        if self.args.track and self.writer is None and "wandb" in sys.modules:
+        if self.track and self.writer is None and "wandb" in sys.modules:
             import wandb
 
             if wandb.run is not None:

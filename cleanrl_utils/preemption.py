@@ -5,18 +5,10 @@ the signals each has received), so all stop after the same update and write the 
 that got no signal still learns that a peer was preempted, and reports the run as interrupted, not finished.
 """
 
-import os
 import signal
-import sys
 import threading
-import traceback
-from contextlib import contextmanager
 
 import numpy as np
-
-from cleanrl_utils.devices import distributed_started
-from cleanrl_utils.flags import RunError, UsageError, os_error_line
-from cleanrl_utils.queues import ActorThreads, RunStopped
 
 
 class Preemption:
@@ -61,38 +53,8 @@ class Preemption:
 
     def report(self, update: int, run_name: str):
         if self.stop_signal:
-            print(f"stopped by signal {self.stop_signal} after update {update}: run the same command (--run-name "
-                  f"{run_name}) to resume", flush=True)
-
-    @contextmanager
-    def guard(self, actors: ActorThreads, close):
-        """Around the learner loop: a stop by signal ends the loop quietly, an actor's failure is raised here with
-        its traceback, and every actor thread is stopped on the way out (`close()` runs too). With jax.distributed,
-        a failure exits at once: the exit barrier would wait minutes for a peer that may be dead (a RunError or an
-        OSError, e.g. divergence or a full disk, as its one `error:` line, exit code 1)."""
-        try:
-            try:
-                yield
-            except RunStopped:
-                actors.check()  # an actor failed: raise its error; otherwise a signal stopped the run
-                if not self.received:
-                    raise
-        except BaseException as error:
-            if distributed_started():
-                actors.stop_event.set()
-                close()
-                if isinstance(error, (RunError, UsageError, OSError)):
-                    line = os_error_line(error) if isinstance(error, OSError) else error
-                    print(f"error: {line}", file=sys.stderr, flush=True)
-                else:
-                    traceback.print_exc()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(1)
-            raise
-        finally:
-            stuck = actors.stop()
-            close()
-            if stuck:
-                print(f"warning: actor threads {stuck} did not stop within {actors.join_timeout:.0f}s", file=sys.stderr,
-                      flush=True)
+            print(
+                f"stopped by signal {self.stop_signal} after update {update}: run the same command (--run-name "
+                f"{run_name}) to resume",
+                flush=True,
+            )

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from cleanrl_utils.run_folder import atomic_write
+from cleanrl_utils.files import atomic_write
 
 # names without "tfevents": TensorBoard reads every file whose name holds it
 REWRITTEN = ".events-rewrite.tmp"
@@ -61,19 +61,26 @@ def rewrite_events(logdir: str, keep_up_to_step: int):
             event = events[n]
             values = [value for i, value in enumerate(event.summary.value) if newest[event.step, value.tag] == (n, i)]
             if values:
-                records.write(event_pb2.Event(wall_time=event.wall_time, step=event.step,
-                                              summary=summary_pb2.Summary(value=values)).SerializeToString())
+                records.write(
+                    event_pb2.Event(
+                        wall_time=event.wall_time, step=event.step, summary=summary_pb2.Summary(value=values)
+                    ).SerializeToString()
+                )
         file.flush()
         os.fsync(file.fileno())
     # the oldest name with a new suffix: it sorts before the new run's file (TensorBoard reads files in order); a
     # name no file has, as the files the journal lists are removed after the rename
     oldest = os.path.basename(earlier_files[0])
     generation = re.search(r"\.rewrite(\d+)$", oldest)
-    base, number = (oldest[:generation.start()], int(generation.group(1)) + 1) if generation else (oldest, 1)
+    base, number = (oldest[: generation.start()], int(generation.group(1)) + 1) if generation else (oldest, 1)
     while os.path.exists(os.path.join(logdir, f"{base}.rewrite{number}")):
         number += 1
-    atomic_write(os.path.join(logdir, JOURNAL), json.dumps({
-        "final": f"{base}.rewrite{number}", "remove": [os.path.basename(path) for path in earlier_files]}).encode())
+    atomic_write(
+        os.path.join(logdir, JOURNAL),
+        json.dumps(
+            {"final": f"{base}.rewrite{number}", "remove": [os.path.basename(path) for path in earlier_files]}
+        ).encode(),
+    )
     finish_rewrite(logdir)
 
 
@@ -87,8 +94,9 @@ class SummaryWriter:
         logged out of order would make TensorBoard discard everything after it)."""
         os.makedirs(logdir, exist_ok=True)
         rewrite_events(logdir, resume_step)
-        self.path = os.path.join(logdir, f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                                         f"{os.getpid()}.0")
+        self.path = os.path.join(
+            logdir, f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        )
         self.file = open(self.path, "ab")
         self.records = RecordWriter(self.file)
         self.add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
@@ -115,8 +123,9 @@ class SummaryWriter:
             wandb.log(scalars, step=step)
 
     def add_text(self, tag: str, text: str):
-        tensor = tensor_pb2.TensorProto(dtype="DT_STRING", string_val=[text.encode()],
-                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[]))
+        tensor = tensor_pb2.TensorProto(
+            dtype="DT_STRING", string_val=[text.encode()], tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[])
+        )
         metadata = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
         value = summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=metadata)
         self.add_event(event_pb2.Event(wall_time=time.time(), step=0, summary=summary_pb2.Summary(value=[value])))

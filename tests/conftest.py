@@ -25,15 +25,44 @@ R2D2_SCRIPT = REPO / "cleanba" / "cleanba_r2d2_envpool_impala_atari_wrapper.py"
 # JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The one
 # exception is third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated
 # jax.core attribute at import time; the filter names that module only.
-SUBPROCESS_WARNINGS = ("error::DeprecationWarning,"
-                       "ignore::DeprecationWarning:tensorflow_probability.python.internal.backend.jax.ops")
+SUBPROCESS_WARNINGS = (
+    "error::DeprecationWarning,ignore::DeprecationWarning:tensorflow_probability.python.internal.backend.jax.ops"
+)
 # tiny Atari settings: a few updates of a 4-channel IMPALA CNN on Breakout-v5
-TINY_BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-steps", "8", "--channels", "4",
-                 "--hiddens", "16", "--num-minibatches", "2", "--log-frequency", "1"]
+TINY_BREAKOUT = [
+    "--env-id",
+    "Breakout-v5",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "8",
+    "--channels",
+    "4",
+    "--hiddens",
+    "16",
+    "--num-minibatches",
+    "2",
+    "--log-frequency",
+    "1",
+]
 TINY_BREAKOUT_PPO = [*TINY_BREAKOUT, "--update-epochs", "1"]
 # tiny MuJoCo settings: a few updates of 8-unit MLPs on HalfCheetah-v4
-TINY_HALFCHEETAH = ["--env-id", "HalfCheetah-v4", "--local-num-envs", "2", "--num-steps", "16", "--hiddens", "8",
-                    "--num-minibatches", "2", "--update-epochs", "2", "--log-frequency", "1"]
+TINY_HALFCHEETAH = [
+    "--env-id",
+    "HalfCheetah-v4",
+    "--local-num-envs",
+    "2",
+    "--num-steps",
+    "16",
+    "--hiddens",
+    "8",
+    "--num-minibatches",
+    "2",
+    "--update-epochs",
+    "2",
+    "--log-frequency",
+    "1",
+]
 
 
 def load_script(path: Path = PPO_SCRIPT):
@@ -64,8 +93,9 @@ class Run:
 FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
 
 
-def script_command(args: list[str], run_name: str | None, script: Path = PPO_SCRIPT,
-                   fault: list[str] | None = None) -> list[str]:
+def script_command(
+    args: list[str], run_name: str | None, script: Path = PPO_SCRIPT, fault: list[str] | None = None
+) -> list[str]:
     """The command a user runs; with `fault` (e.g. ["learner", "3"]) through tests/fault_injection.py."""
     injection = [str(FAULT_INJECTION), str(script), *fault] if fault else [str(script)]
     return [sys.executable, *injection, *(["--run-name", run_name] if run_name else []), *args]
@@ -78,11 +108,23 @@ def script_env(env: dict | None = None) -> dict:
     return {**full_env, "PYTHONWARNINGS": SUBPROCESS_WARNINGS, "WANDB_MODE": "offline", **(env or {})}
 
 
-def run_script(args: list[str], cwd: Path, run_name: str | None = "test", script: Path = PPO_SCRIPT, timeout: float = 300,
-               env: dict | None = None) -> Run:
+def run_script(
+    args: list[str],
+    cwd: Path,
+    run_name: str | None = "test",
+    script: Path = PPO_SCRIPT,
+    timeout: float = 300,
+    env: dict | None = None,
+) -> Run:
     start = time.time()
-    completed = subprocess.run(script_command(args, run_name, script), cwd=cwd, env=script_env(env),
-                               capture_output=True, text=True, timeout=timeout)
+    completed = subprocess.run(
+        script_command(args, run_name, script),
+        cwd=cwd,
+        env=script_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Run(completed, time.time() - start, cwd, run_name or "")
 
 
@@ -92,10 +134,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_processes(args: list[str], cwd: Path | list[Path], num_processes: int, run_name: str = "test",
-                    script: Path = PPO_SCRIPT, fault: list[str] | None = None,
-                    process_args: list[list[str]] | None = None, process_ids: list[int] | None = None
-                    ) -> list[subprocess.Popen]:
+def start_processes(
+    args: list[str],
+    cwd: Path | list[Path],
+    num_processes: int,
+    run_name: str = "test",
+    script: Path = PPO_SCRIPT,
+    fault: list[str] | None = None,
+    process_args: list[list[str]] | None = None,
+    process_ids: list[int] | None = None,
+) -> list[subprocess.Popen]:
     """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM; `cwd` is one
     folder for all, or one per process (hosts whose working directories differ); `process_args`: flags added to
     each process's command; `process_ids`: start only these processes (the others never arrive)."""
@@ -103,19 +151,45 @@ def start_processes(args: list[str], cwd: Path | list[Path], num_processes: int,
     cwds = cwd if isinstance(cwd, list) else [cwd] * num_processes
     process_args = process_args or [[] for _ in range(num_processes)]
     return [
-        subprocess.Popen(script_command([*args, *process_args[i], "--distributed", "--coordinator-address", coordinator,
-                                         "--num-processes", str(num_processes), "--process-id", str(i)],
-                                        run_name, script, fault),
-                         cwd=cwds[i], env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            script_command(
+                [
+                    *args,
+                    *process_args[i],
+                    "--distributed",
+                    "--coordinator-address",
+                    coordinator,
+                    "--num-processes",
+                    str(num_processes),
+                    "--process-id",
+                    str(i),
+                ],
+                run_name,
+                script,
+                fault,
+            ),
+            cwd=cwds[i],
+            env=script_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for i in (range(num_processes) if process_ids is None else process_ids)
     ]
 
 
-def start_script(flags: list[str], cwd: Path, run_name: str, script: Path,
-                 command: list[str] | None = None) -> subprocess.Popen:
+def start_script(
+    flags: list[str], cwd: Path, run_name: str, script: Path, command: list[str] | None = None
+) -> subprocess.Popen:
     """The script as a user runs it, in the background; `command` (default: the user's command) replaces it."""
-    return subprocess.Popen(command or script_command(flags, run_name, script), cwd=cwd, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command or script_command(flags, run_name, script),
+        cwd=cwd,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish_script(process: subprocess.Popen, cwd: Path, run_name: str, timeout: float = 400) -> Run:
@@ -139,8 +213,11 @@ def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[s
     "resumed_again" (its checkpoint resumed in its folder and in a copy in another folder). `start(flags, cwd,
     run_name)` starts one run."""
     workdir = tmp_path_factory.mktemp(name)
-    first, second, stopped = start(flags, workdir, "first"), start(flags, workdir, "second"), start(long, workdir,
-                                                                                                    "stopped")
+    first, second, stopped = (
+        start(flags, workdir, "first"),
+        start(flags, workdir, "second"),
+        start(long, workdir, "stopped"),
+    )
     try:
         lines = wait_for_line(stopped, "update=4/")
         stopped.send_signal(signal.SIGTERM)
@@ -178,8 +255,9 @@ def resumes_on_other_layouts(tmp_path_factory, name: str, script: Path, flags: l
     one_process = [*flags, "--actor-device-ids", "0", "1", "--learner-device-ids", "2"]  # the last value counts
     result = {"fewer": finish_script(start_script(one_process, fewer_dir, "two", script), fewer_dir, "two")}
     more_from = fewer_dir / "runs" / "two" if result["fewer"].returncode == 0 else two
-    result["more"] = finish_processes(start_processes(flags, copy_without(more_from, "more", newest=1), 2, "two",
-                                                      script=script))
+    result["more"] = finish_processes(
+        start_processes(flags, copy_without(more_from, "more", newest=1), 2, "two", script=script)
+    )
     return result
 
 
@@ -187,6 +265,7 @@ def assert_resumes_on_other_layouts(runs: dict, digests: re.Pattern, refused: st
     """The checks of `resumes_on_other_layouts`'s runs: each resume starts from the state that was saved, bit for bit
     (`digests`: the groups of a state's digests); the two processes of "more" end with the same state. `refused`:
     the start of the one error line with which "fewer" must stop (exit code 2), for a state that cannot move."""
+
     def saved(out: str, update: int) -> tuple:
         return digests.search(re.search(rf"checkpoint saved: update={update} .*", out).group(0)).groups()
 
@@ -223,8 +302,10 @@ def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:
         if line.startswith(prefix):
             return lines
     process.wait(timeout=30)
-    pytest.fail(f"the process ended (exit code {process.returncode}) before printing {prefix!r}:\n"
-                f"{''.join(lines)[-2000:]}\n{process.stderr.read()[-3000:]}")
+    pytest.fail(
+        f"the process ended (exit code {process.returncode}) before printing {prefix!r}:\n"
+        f"{''.join(lines)[-2000:]}\n{process.stderr.read()[-3000:]}"
+    )
 
 
 @pytest.fixture
@@ -233,14 +314,37 @@ def workdir(tmp_path) -> Path:
 
 
 # PPO on CartPole-v1 as in the README: CleanRL's classic-control network (two 64-unit tanh layers), clip 0.2
-CARTPOLE_PPO = ["--env-id", "CartPole-v1", "--num-steps", "128", "--hiddens", "64", "64", "--clip-coef", "0.2",
-                "--learning-rate", "1e-3"]
-CARTPOLE_LEARNING = [*CARTPOLE_PPO, "--num-actor-threads", "1", "--actor-device-ids", "0", "--learner-device-ids", "1",
-                     "--total-timesteps", "250000", "--log-frequency", "50"]
+CARTPOLE_PPO = [
+    "--env-id",
+    "CartPole-v1",
+    "--num-steps",
+    "128",
+    "--hiddens",
+    "64",
+    "64",
+    "--clip-coef",
+    "0.2",
+    "--learning-rate",
+    "1e-3",
+]
+CARTPOLE_LEARNING = [
+    *CARTPOLE_PPO,
+    "--num-actor-threads",
+    "1",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "--total-timesteps",
+    "250000",
+    "--log-frequency",
+    "50",
+]
 
 
 @pytest.fixture(scope="session")
 def cartpole_learning_run(tmp_path_factory) -> Run:
     """One 250k-step PPO CartPole run with 8 envs in one process, shared by the tests that need it."""
-    return run_script([*CARTPOLE_LEARNING, "--local-num-envs", "8"], tmp_path_factory.mktemp("cartpole"), "one",
-                      timeout=400)
+    return run_script(
+        [*CARTPOLE_LEARNING, "--local-num-envs", "8"], tmp_path_factory.mktemp("cartpole"), "one", timeout=400
+    )

@@ -30,6 +30,8 @@ def main():
     from pathlib import Path
 
     script = load_script(Path(script_path))
+    from cleanrl_utils import run as run_module  # the run object makes the checkpoints
+
     if fault == "env":
         make_env = script.make_env
 
@@ -58,15 +60,17 @@ def main():
 
         script.assemble_global_rollout = failing_assemble
     elif fault == "slow-checkpoint":
-        class SlowCheckpoints(script.Checkpoints):
+
+        class SlowCheckpoints(run_module.Checkpoints):
             def save(self, update, *args, **kwargs):
                 print(f"checkpoint write started: update={update}", flush=True)
                 time.sleep(n)  # a signal that arrives now arrives while the checkpoint is being written
                 return super().save(update, *args, **kwargs)
 
-        script.Checkpoints = SlowCheckpoints
+        run_module.Checkpoints = SlowCheckpoints
     elif fault == "disk-full":
-        class FillingCheckpoints(script.Checkpoints):
+
+        class FillingCheckpoints(run_module.Checkpoints):
             saved = 0
 
             def save(self, *args, **kwargs):
@@ -77,7 +81,7 @@ def main():
                     resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
                     print("disk full now", flush=True)
 
-        script.Checkpoints = FillingCheckpoints
+        run_module.Checkpoints = FillingCheckpoints
     elif fault == "kill-in-rewrite":
         remove = os.remove
 
@@ -90,7 +94,7 @@ def main():
         os.remove = killing_remove
     else:
         raise SystemExit(f"unknown fault {fault!r}")
-    from cleanrl_utils.flags import run_cli
+    from cleanrl_utils.cli import run_cli
 
     sys.exit(run_cli(script.main, script.Args))
 

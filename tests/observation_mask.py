@@ -42,7 +42,7 @@ def main():
     script = load_script(Path(script_path))
     make_env = script.make_env
     script.make_env = lambda *args, **kwargs: masked(make_env(*args, **kwargs), indices)
-    from cleanrl_utils.flags import run_cli
+    from cleanrl_utils.cli import run_cli
 
     sys.exit(run_cli(script.main, script.Args))
 

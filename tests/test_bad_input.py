@@ -6,25 +6,49 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import pytest
-
-from cleanrl_utils.devices import check_replay_fits, host_memory_bytes
-from cleanrl_utils.flags import INT32_MAX, UsageError, check_int32_counts, run_cli
 from conftest import MUZERO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, load_script, run_script
 
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import check_replay_fits, host_memory_bytes
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import INT32_MAX, check_int32_counts
+
 # tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches
-TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--num-actor-threads", "1",
-                 "--hiddens", "8", "--checkpoint-frequency", "0"]
+TINY_CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "32",
+    "--num-actor-threads",
+    "1",
+    "--hiddens",
+    "8",
+    "--checkpoint-frequency",
+    "0",
+]
 
 CASES = {
     "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
     "negative steps": (["--num-steps", "-5"], "--num-steps must be a positive integer"),
     "zero threads": (["--num-actor-threads", "0"], "--num-actor-threads must be a positive integer"),
-    "minibatches do not divide": (["--local-num-envs", "3", "--num-steps", "5", "--num-minibatches", "4"],
-                                  "--num-minibatches (4) must divide"),
-    "envs do not split over learners": (["--local-num-envs", "3", "--learner-device-ids", "0", "1"],
-                                        "--local-num-envs (3) must be divisible by the number of --learner-device-ids"),
-    "negative device id": (["--actor-device-ids", "-1"], "--actor-device-ids must be one or more distinct device ids in [0, 63]"),
-    "duplicate device ids": (["--learner-device-ids", "1", "1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
+    "minibatches do not divide": (
+        ["--local-num-envs", "3", "--num-steps", "5", "--num-minibatches", "4"],
+        "--num-minibatches (4) must divide",
+    ),
+    "envs do not split over learners": (
+        ["--local-num-envs", "3", "--learner-device-ids", "0", "1"],
+        "--local-num-envs (3) must be divisible by the number of --learner-device-ids",
+    ),
+    "negative device id": (
+        ["--actor-device-ids", "-1"],
+        "--actor-device-ids must be one or more distinct device ids in [0, 63]",
+    ),
+    "duplicate device ids": (
+        ["--learner-device-ids", "1", "1"],
+        "--learner-device-ids must be one or more distinct device ids in [0, 63]",
+    ),
     "negative envpool threads": (["--envpool-threads", "-1"], "--envpool-threads must be in [0, "),
     "device id out of range": (["--learner-device-ids", "0", "3"], "--learner-device-ids [0, 3] out of range"),
     "unknown env": (["--env-id", "Breakout-v99"], "--env-id 'Breakout-v99' is not supported"),
@@ -37,9 +61,10 @@ CASES = {
     "negative entropy coefficient": (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
-    "unknown learner loop": (["--learner-loop", "jit"], "--learner-loop must be one of auto, scan, python, got 'jit'"),
-    "video without a saved model": (["--capture-video"], "--capture-video works on the model saved at the end of "
-                                                         "training: add --save-model"),
+    "video without a saved model": (
+        ["--capture-video"],
+        "--capture-video works on the model saved at the end of training: add --save-model",
+    ),
     "absurd device id": (["--learner-device-ids", "10000"], "--learner-device-ids must be one or more distinct device"),
     "absurd envpool threads": (["--envpool-threads", "100000"], "--envpool-threads must be in [0, "),
     "negative seed": (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
@@ -52,19 +77,34 @@ CASES = {
     "dot run name": (["--run-name", ".."], "--run-name must be one folder name"),
     "exp name with a slash": (["--exp-name", "a/b", "--save-model"], "--exp-name must be one folder name"),
     "process id without distributed": (["--process-id", "1"], "--process-id needs --distributed"),
-    "unresolvable coordinator": (["--distributed", "--coordinator-address", "no-such-host.invalid:1234",
-                                  "--num-processes", "2", "--process-id", "0"],
-                                 "--coordinator-address no-such-host.invalid:1234: cannot resolve 'no-such-host.invalid'"),
-    "process id out of range": (["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2",
-                                 "--process-id", "2"], "--process-id must be in [0, 2)"),
+    "unresolvable coordinator": (
+        [
+            "--distributed",
+            "--coordinator-address",
+            "no-such-host.invalid:1234",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "0",
+        ],
+        "--coordinator-address no-such-host.invalid:1234: cannot resolve 'no-such-host.invalid'",
+    ),
+    "process id out of range": (
+        ["--distributed", "--coordinator-address", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+        "--process-id must be in [0, 2)",
+    ),
     # the learning-rate schedule counts optimizer steps in int32: 10**15 steps were an OverflowError traceback
-    "optimizer steps beyond int32": ([*TINY_CARTPOLE, "--total-timesteps", str(10**15)],
-                                     "--total-timesteps (1000000000000000) must be at most 17179869183 with 128 env "
-                                     "steps per update: optimizer steps (--update-epochs x --num-minibatches = 16 per "
-                                     "update) are counted in int32, at most 2147483647 in a run"),
+    "optimizer steps beyond int32": (
+        [*TINY_CARTPOLE, "--total-timesteps", str(10**15)],
+        "--total-timesteps (1000000000000000) must be at most 17179869183 with 128 env "
+        "steps per update: optimizer steps (--update-epochs x --num-minibatches = 16 per "
+        "update) are counted in int32, at most 2147483647 in a run",
+    ),
     "one update's optimizer steps beyond int32": (
-        [*TINY_CARTPOLE, "--update-epochs", str(2**31)], "--update-epochs x --num-minibatches (optimizer steps per "
-        "update) must be at most 2147483647: they are counted in int32, got 8589934592"),
+        [*TINY_CARTPOLE, "--update-epochs", str(2**31)],
+        "--update-epochs x --num-minibatches (optimizer steps per "
+        "update) must be at most 2147483647: they are counted in int32, got 8589934592",
+    ),
 }
 
 
@@ -103,11 +143,17 @@ def test_bad_input_is_one_clear_line(workdir, name):
     assert not (workdir / "runs").exists()  # nothing was started
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--num-simulations", "0"], "--num-simulations must be in [1, 10000], got 0"),
-    (["--unroll-steps", "20", "--td-steps", "20", "--buffer-size", "1024"],
-     "--buffer-size (1024) must hold at least max(--num-steps, --unroll-steps + --td-steps + 1) = 41"),
-], ids=["muzero-simulations", "muzero-unroll-longer-than-stored"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--num-simulations", "0"], "--num-simulations must be in [1, 10000], got 0"),
+        (
+            ["--unroll-steps", "20", "--td-steps", "20", "--buffer-size", "1024"],
+            "--buffer-size (1024) must hold at least max(--num-steps, --unroll-steps + --td-steps + 1) = 41",
+        ),
+    ],
+    ids=["muzero-simulations", "muzero-unroll-longer-than-stored"],
+)
 def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
     """MuZero's own checks as a user meets them (more cases in tests/test_muzero.py)."""
     run = run_script(["--env-id", "CartPole-v1", *flags], workdir, timeout=180, script=MUZERO_SCRIPT)
@@ -119,18 +165,97 @@ def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
 
 # tiny replay runs (32 env steps per update) of the three scripts with a replay on the learner devices
 TINY_REPLAY = {
-    "sac": (SAC_SCRIPT, ["--env-id", "Pendulum-v1", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps",
-                         "8", "--hiddens", "16", "--minibatch-size", "16", "--learning-starts", "0", "--replay-ratio",
-                         "0.25", "--learner-device-ids", "1", "--checkpoint-frequency", "0"]),
-    "r2d2": (R2D2_SCRIPT, ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-actor-threads", "1",
-                           "--num-steps", "8", "--sequence-length", "8", "--burn-in", "2", "--n-step", "2",
-                           "--lstm-size", "8", "--hiddens", "16", "--minibatch-size", "4", "--learning-starts", "0",
-                           "--replay-ratio", "0.0625", "--learner-device-ids", "1", "--checkpoint-frequency", "0"]),
-    "muzero": (MUZERO_SCRIPT, ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-actor-threads", "1",
-                               "--num-steps", "8", "--hiddens", "16", "--embedding-size", "8", "--support-size", "5",
-                               "--num-simulations", "4", "--unroll-steps", "3", "--td-steps", "3", "--minibatch-size",
-                               "8", "--replay-ratio", "0.125", "--learner-device-ids", "1", "--checkpoint-frequency",
-                               "0"]),
+    "sac": (
+        SAC_SCRIPT,
+        [
+            "--env-id",
+            "Pendulum-v1",
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--num-steps",
+            "8",
+            "--hiddens",
+            "16",
+            "--minibatch-size",
+            "16",
+            "--learning-starts",
+            "0",
+            "--replay-ratio",
+            "0.25",
+            "--learner-device-ids",
+            "1",
+            "--checkpoint-frequency",
+            "0",
+        ],
+    ),
+    "r2d2": (
+        R2D2_SCRIPT,
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--num-steps",
+            "8",
+            "--sequence-length",
+            "8",
+            "--burn-in",
+            "2",
+            "--n-step",
+            "2",
+            "--lstm-size",
+            "8",
+            "--hiddens",
+            "16",
+            "--minibatch-size",
+            "4",
+            "--learning-starts",
+            "0",
+            "--replay-ratio",
+            "0.0625",
+            "--learner-device-ids",
+            "1",
+            "--checkpoint-frequency",
+            "0",
+        ],
+    ),
+    "muzero": (
+        MUZERO_SCRIPT,
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--local-num-envs",
+            "4",
+            "--num-actor-threads",
+            "1",
+            "--num-steps",
+            "8",
+            "--hiddens",
+            "16",
+            "--embedding-size",
+            "8",
+            "--support-size",
+            "5",
+            "--num-simulations",
+            "4",
+            "--unroll-steps",
+            "3",
+            "--td-steps",
+            "3",
+            "--minibatch-size",
+            "8",
+            "--replay-ratio",
+            "0.125",
+            "--learner-device-ids",
+            "1",
+            "--checkpoint-frequency",
+            "0",
+        ],
+    ),
 }
 
 
@@ -153,9 +278,12 @@ def test_replay_larger_than_memory_is_one_line_before_allocating(name, workdir, 
     its bytes and the device's memory (on CPU: the host's), before anything is allocated."""
     script, flags = TINY_REPLAY[name]
     error = one_error_line([*flags, "--buffer-size", str(2**50)], script, workdir, monkeypatch, capsys)
-    match = re.fullmatch(r"error: --buffer-size \(1125899906842624\) needs ([\d,.]+) GiB of replay on each learner "
-                         r"device; device cpu:1 has ([\d,.]+) GiB \(the host's memory\): lower --buffer-size "
-                         r"\(about (\d+) fit\)", error)
+    match = re.fullmatch(
+        r"error: --buffer-size \(1125899906842624\) needs ([\d,.]+) GiB of replay on each learner "
+        r"device; device cpu:1 has ([\d,.]+) GiB \(the host's memory\): lower --buffer-size "
+        r"\(about (\d+) fit\)",
+        error,
+    )
     assert match, error
     need, have = (float(value.replace(",", "")) for value in match.group(1, 2))
     assert need > 1e6 and abs(have - host_memory_bytes() / 2**30) < 0.1
@@ -172,22 +300,27 @@ def test_replay_script_int32_counts_are_one_line(workdir):
     """R2D2 writes 8 sequences per update into each learner device's replay, counted by flashbax in int32: 2**40 env
     steps (2**35 updates) would wrap it, and the run trained on (the target copies' step count wraps too)."""
     script, flags = TINY_REPLAY["r2d2"]
-    run = run_script([*flags, "--buffer-size", "256", "--total-timesteps", str(2**40)], workdir, timeout=120,
-                     script=script)
+    run = run_script(
+        [*flags, "--buffer-size", "256", "--total-timesteps", str(2**40)], workdir, timeout=120, script=script
+    )
     assert run.returncode == 2, (run.stdout[-2000:], run.stderr[-3000:])
     error_lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert error_lines == ["error: --total-timesteps (1099511627776) must be at most 8589934591 with 32 env steps per "
-                           "update: sequences written to each learner device's replay (env steps per update / "
-                           "(--sequence-length / 2) / learner devices = 8 per update) are counted in int32, at most "
-                           "2147483647 in a run"], run.stderr
+    assert error_lines == [
+        "error: --total-timesteps (1099511627776) must be at most 8589934591 with 32 env steps per "
+        "update: sequences written to each learner device's replay (env steps per update / "
+        "(--sequence-length / 2) / learner devices = 8 per update) are counted in int32, at most "
+        "2147483647 in a run"
+    ], run.stderr
     assert "Traceback" not in run.stderr and not (workdir / "runs").exists()
 
 
 def test_gradient_steps_of_one_update_beyond_int32_are_one_line(workdir, monkeypatch, capsys):
     script, flags = TINY_REPLAY["sac"]  # 1e12 x 32 env steps: a scan of 3.2e13 gradient steps
     error = one_error_line([*flags, "--replay-ratio", "1e12"], script, workdir, monkeypatch, capsys)
-    assert error == ("error: --replay-ratio x env steps per update (gradient steps per update) must be at most "
-                     "2147483647: they are counted in int32, got 32000000000000")
+    assert error == (
+        "error: --replay-ratio x env steps per update (gradient steps per update) must be at most "
+        "2147483647: they are counted in int32, got 32000000000000"
+    )
 
 
 def test_int32_counts_allow_exactly_the_named_largest_value():
@@ -196,8 +329,9 @@ def test_int32_counts_allow_exactly_the_named_largest_value():
     check_int32_counts(SimpleNamespace(total_timesteps=largest, num_updates=largest // 128, batch_size=128), counts)
     assert (largest // 128) * 16 <= INT32_MAX < (largest // 128 + 1) * 16
     with pytest.raises(UsageError, match=f"must be at most {largest} with 128 env steps per update"):
-        check_int32_counts(SimpleNamespace(total_timesteps=largest + 1, num_updates=(largest + 1) // 128,
-                                           batch_size=128), counts)
+        check_int32_counts(
+            SimpleNamespace(total_timesteps=largest + 1, num_updates=(largest + 1) // 128, batch_size=128), counts
+        )
 
 
 class FakeAccelerator:
@@ -224,21 +358,28 @@ def test_replay_check_on_an_accelerator_and_on_shared_host_memory():
     gib = 2**30
     with pytest.raises(UsageError) as error_info:  # 2 x 2**28 rows x 3 float32s = 6 GiB on a 4 GiB device
         check_replay_fits(1000, replay_init(2**28), None, [FakeAccelerator(4 * gib)], new_rows=8)
-    assert str(error_info.value) == ("--buffer-size (1000) needs 6.0 GiB of replay on each learner device; device "
-                                     "cuda:0 has 4.0 GiB (XLA's memory limit on it): lower --buffer-size (about 666 "
-                                     "fit) or use more learner devices")
+    assert str(error_info.value) == (
+        "--buffer-size (1000) needs 6.0 GiB of replay on each learner device; device "
+        "cuda:0 has 4.0 GiB (XLA's memory limit on it): lower --buffer-size (about 666 "
+        "fit) or use more learner devices"
+    )
     check_replay_fits(1000, replay_init(2**28), None, [FakeAccelerator(8 * gib)], new_rows=8)  # fits
     # enough memory, but 2**31 rows: flashbax's int32 write index would overflow
     with pytest.raises(UsageError) as error_info:
         check_replay_fits(2**32, replay_init(2**31, floats=1), None, [FakeAccelerator(2**40)], new_rows=8)
-    assert str(error_info.value) == ("--buffer-size (4294967296) makes replay arrays of 2147483648 rows on each "
-                                     "learner device (+ 8 written per update); their indices are int32, at most "
-                                     "2147483647: lower --buffer-size (about 4294967278 fit)")
+    assert str(error_info.value) == (
+        "--buffer-size (4294967296) makes replay arrays of 2147483648 rows on each "
+        "learner device (+ 8 written per update); their indices are int32, at most "
+        "2147483647: lower --buffer-size (about 4294967278 fit)"
+    )
     # the CPU learner devices of a process share the host's memory: 2 shards of 3/4 of it do not fit
     cpus = jax.devices("cpu")[:2]
     rows = int(0.75 * host_memory_bytes() / (2 * 256 * 4))  # rows of 2 envs x 256 float32s
-    with pytest.raises(UsageError, match=r"device cpu:0 has [\d,.]+ GiB \(the host's memory, [\d,.]+ GiB, shared by "
-                                         r"this process's 2 CPU learner devices\): lower --buffer-size \(about \d+ "
-                                         r"fit\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"device cpu:0 has [\d,.]+ GiB \(the host's memory, [\d,.]+ GiB, shared by "
+        r"this process's 2 CPU learner devices\): lower --buffer-size \(about \d+ "
+        r"fit\)$",
+    ):
         check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus, new_rows=8)
     check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus[:1], new_rows=8)  # one device: fits

@@ -8,18 +8,28 @@ import sys
 
 from conftest import PPO_SCRIPT, REPO, script_env
 
-TINY_CARTPOLE = (f"{sys.executable} {PPO_SCRIPT} --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
-                 "--total-timesteps 128")
+TINY_CARTPOLE = (
+    f"{sys.executable} {PPO_SCRIPT} --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
+    "--total-timesteps 128"
+)
 
 
 def benchmark(flags: list[str], cwd, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cleanrl_utils.benchmark", *flags], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env={**script_env(env), "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "cleanrl_utils.benchmark", *flags],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**script_env(env), "PYTHONPATH": str(REPO)},
+    )
 
 
 def test_local_sweep_runs_every_command_and_reports_failures(workdir):
-    result = benchmark(["--env-ids", "CartPole-v1", "NotAnEnv-v0", "--num-seeds", "2", "--workers", "2",
-                        "--command", TINY_CARTPOLE], workdir)
+    result = benchmark(
+        ["--env-ids", "CartPole-v1", "NotAnEnv-v0", "--num-seeds", "2", "--workers", "2", "--command", TINY_CARTPOLE],
+        workdir,
+    )
     assert result.returncode == 1
     for env_id in ["CartPole-v1", "NotAnEnv-v0"]:
         for seed in [1, 2]:
@@ -32,22 +42,48 @@ def test_local_sweep_runs_every_command_and_reports_failures(workdir):
 
 
 def test_runs_are_tagged_with_the_git_commit(workdir):
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
     show_tags = f"""{sys.executable} -c 'import os; print("TAGS=" + os.environ["WANDB_TAGS"])'"""
-    result = benchmark(["--env-ids", "CartPole-v1", "--num-seeds", "1", "--command", show_tags], REPO,
-                       env={"WANDB_TAGS": "mine"})
+    result = benchmark(
+        ["--env-ids", "CartPole-v1", "--num-seeds", "1", "--command", show_tags], REPO, env={"WANDB_TAGS": "mine"}
+    )
     assert result.returncode == 0, result.stderr
     assert f"TAGS=mine,{commit}" in result.stdout
 
 
 def render(workdir, extra_flags=()) -> tuple[subprocess.CompletedProcess, str]:
-    result = benchmark(["--env-ids", "CartPole-v1", "Breakout-v5", "--num-seeds", "2", "--start-seed", "3",
-                        "--workers", "3", "--command", "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
-                        "--distributed --learner-device-ids 1 2 3", "--slurm-template-path",
-                        str(REPO / "cleanba.slurm_template"), "--slurm-nodes", "2", "--slurm-ntasks", "4",
-                        "--slurm-gpus-per-task", "4", "--slurm-cpus-per-task", "12", "--slurm-log-dir",
-                        str(workdir / "slurm"), "--slurm-dry-run", *extra_flags], workdir)
+    result = benchmark(
+        [
+            "--env-ids",
+            "CartPole-v1",
+            "Breakout-v5",
+            "--num-seeds",
+            "2",
+            "--start-seed",
+            "3",
+            "--workers",
+            "3",
+            "--command",
+            "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py --distributed --learner-device-ids 1 2 3",
+            "--slurm-template-path",
+            str(REPO / "cleanba.slurm_template"),
+            "--slurm-nodes",
+            "2",
+            "--slurm-ntasks",
+            "4",
+            "--slurm-gpus-per-task",
+            "4",
+            "--slurm-cpus-per-task",
+            "12",
+            "--slurm-log-dir",
+            str(workdir / "slurm"),
+            "--slurm-dry-run",
+            *extra_flags,
+        ],
+        workdir,
+    )
     scripts = list((workdir / "slurm").glob("*.slurm"))
     return result, scripts[0].read_text() if scripts else ""
 
@@ -57,8 +93,14 @@ def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
     assert result.returncode == 0, result.stderr
     directives = dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(.*))?$", script, flags=re.MULTILINE))
     assert directives == {
-        "job-name": "cleanba", "array": "0-3%3", "nodes": "2", "ntasks": "4", "gpus-per-task": "4",
-        "cpus-per-task": "12", "output": f"{workdir}/slurm/%x_%A_%a.out", "error": f"{workdir}/slurm/%x_%A_%a.err",
+        "job-name": "cleanba",
+        "array": "0-3%3",
+        "nodes": "2",
+        "ntasks": "4",
+        "gpus-per-task": "4",
+        "cpus-per-task": "12",
+        "output": f"{workdir}/slurm/%x_%A_%a.out",
+        "error": f"{workdir}/slurm/%x_%A_%a.err",
         "requeue": "",
     }
     assert "/home" not in script and "~" not in script and "{{" not in script
@@ -72,14 +114,25 @@ def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
     (fake_bin / "srun").chmod(0o755)
     expected = [("CartPole-v1", 3), ("Breakout-v5", 3), ("CartPole-v1", 4), ("Breakout-v5", 4)]
     for task_id, (env_id, seed) in enumerate(expected):
-        task = subprocess.run(["bash", str(script_path)], capture_output=True, text=True,
-                              env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}", "SLURM_JOB_NAME": "cleanba",
-                                   "SLURM_ARRAY_TASK_ID": str(task_id), "SLURM_ARRAY_JOB_ID": "777"})
+        task = subprocess.run(
+            ["bash", str(script_path)],
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "PATH": f"{fake_bin}:{os.environ['PATH']}",
+                "SLURM_JOB_NAME": "cleanba",
+                "SLURM_ARRAY_TASK_ID": str(task_id),
+                "SLURM_ARRAY_JOB_ID": "777",
+            },
+        )
         assert task.returncode == 0, task.stderr
         # a stable run name per array task, so that a requeued task resumes its own run
-        assert task.stdout.splitlines()[-1] == ("srun python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
-                                                f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed} "
-                                                f"--run-name {env_id}__cleanba__{seed}__777")
+        assert task.stdout.splitlines()[-1] == (
+            "srun python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
+            f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed} "
+            f"--run-name {env_id}__cleanba__{seed}__777"
+        )
     if shutil.which("sbatch"):  # a real Slurm installation also validates the directives
         assert subprocess.run(["sbatch", "--test-only", str(script_path)], capture_output=True).returncode == 0
 
@@ -91,9 +144,19 @@ def test_partition_and_account_come_only_from_flags(workdir):
 
 
 def test_several_tasks_need_a_distributed_command(workdir):
-    result = benchmark(["--command", "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py",
-                        "--slurm-template-path", str(REPO / "cleanba.slurm_template"), "--slurm-ntasks", "2",
-                        "--slurm-dry-run"], workdir)
+    result = benchmark(
+        [
+            "--command",
+            "python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py",
+            "--slurm-template-path",
+            str(REPO / "cleanba.slurm_template"),
+            "--slurm-ntasks",
+            "2",
+            "--slurm-dry-run",
+        ],
+        workdir,
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --slurm-ntasks > 1 starts several processes per run: "
-                                     "add --distributed to --command")
+    assert result.stderr.strip() == (
+        "error: --slurm-ntasks > 1 starts several processes per run: add --distributed to --command"
+    )

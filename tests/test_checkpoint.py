@@ -11,16 +11,35 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
 from conftest import read_scalars, run_script, script_command, script_env, wait_for_line
-from test_utils import TinyArgs
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_utils import TinyArgs, checkpoints_of, restore_values, save_values
+
+from cleanrl_utils.checkpoints import CheckpointError, tree_digest
 
 # 12 updates of 128 steps; a checkpoint every 3 updates, the 2 newest kept
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
-            "--num-actor-threads", "2", "--learner-device-ids", "1", "--total-timesteps", "3072",
-            "--checkpoint-frequency", "3", "--checkpoint-keep", "2", "--log-frequency", "1"]
+CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "32",
+    "--hiddens",
+    "16",
+    "--num-actor-threads",
+    "2",
+    "--learner-device-ids",
+    "1",
+    "--total-timesteps",
+    "3072",
+    "--checkpoint-frequency",
+    "3",
+    "--checkpoint-keep",
+    "2",
+    "--log-frequency",
+    "1",
+]
 SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
 RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
 FINAL = re.compile(r"final params sha256=([0-9a-f]{64})")
@@ -28,8 +47,14 @@ FINAL = re.compile(r"final params sha256=([0-9a-f]{64})")
 
 def interrupt(workdir, run_name, flags, after_update, sig=signal.SIGTERM):
     """Start a run, send `sig` once it has logged `after_update`; return (exit code, seconds to exit, output)."""
-    process = subprocess.Popen(script_command(flags, run_name), cwd=workdir, env=script_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        script_command(flags, run_name),
+        cwd=workdir,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = wait_for_line(process, f"update={after_update}/")
         sent = time.time()
@@ -79,8 +104,9 @@ def test_sigterm_checkpoints_and_exits_then_the_same_command_resumes(workdir):
 
 
 def test_ctrl_c_checkpoints_and_exits_with_130(workdir):
-    returncode, seconds, out, err = interrupt(workdir, "run", [*CARTPOLE, "--total-timesteps", "100000000"],
-                                              after_update=2, sig=signal.SIGINT)
+    returncode, seconds, out, err = interrupt(
+        workdir, "run", [*CARTPOLE, "--total-timesteps", "100000000"], after_update=2, sig=signal.SIGINT
+    )
     assert returncode == 130, err
     assert seconds < 30
     assert SAVED.search(out) and checkpoint_steps(workdir, "run")
@@ -102,14 +128,24 @@ def test_truncated_and_foreign_checkpoints_are_rejected_with_one_line(workdir):
     finished = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")  # 3 updates: checkpoint 3
     assert finished.returncode == 0, finished.stderr
     # a checkpoint from another network size
-    foreign = run_script([*CARTPOLE, "--total-timesteps", "768", "--hiddens", "32", "--resume"], workdir, "run",
-                         timeout=120)
+    foreign = run_script(
+        [*CARTPOLE, "--total-timesteps", "768", "--hiddens", "32", "--resume"], workdir, "run", timeout=120
+    )
     assert foreign.returncode == 2
-    assert foreign.stderr.strip().splitlines()[-1].startswith(
-        f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/3 was made with --hiddens [16], this run has [32]")
+    assert (
+        foreign.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: --resume: checkpoint {workdir}/runs/run/checkpoints/3 was made with --hiddens [16], this run "
+            "has [32]"
+        )
+    )
     # a truncated file inside the newest checkpoint
-    data_files = [p for p in (workdir / "runs" / "run" / "checkpoints" / "3").rglob("*") if p.is_file()
-                  and p.stat().st_size > 1000]
+    data_files = [
+        p
+        for p in (workdir / "runs" / "run" / "checkpoints" / "3").rglob("*")
+        if p.is_file() and p.stat().st_size > 1000
+    ]
     for path in data_files:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     truncated = run_script([*CARTPOLE, "--total-timesteps", "768", "--resume"], workdir, "run", timeout=120)
@@ -143,7 +179,9 @@ def test_digest_is_of_the_whole_array_on_any_layout():
     # the env axis of a replay: first (SAC, MuZero), or second after an axis of one (R2D2's item buffer); on one
     # device jit may hand back P() for P("batch"): the same layout, so the same digest
     for values, spec in [(rows, ("batch",)), (rows[None], (None, "batch"))]:
-        digests = {tree_digest({"x": sharded(values, n, spec)}) for n in (1, 2, 4)} | {tree_digest(sharded(values, 1, ()))}
+        digests = {tree_digest({"x": sharded(values, n, spec)}) for n in (1, 2, 4)} | {
+            tree_digest(sharded(values, 1, ()))
+        }
         assert len(digests) == 1, spec
     flipped = rows.copy()
     flipped[3, 2, 1] = np.nextafter(flipped[3, 2, 1], np.float32(100))  # in the second device's half
@@ -154,10 +192,11 @@ def test_digest_is_of_the_whole_array_on_any_layout():
 def test_a_sharded_state_resumes_on_fewer_and_more_devices_and_a_flipped_bit_anywhere_is_refused(tmp_path):
     args = dataclasses.replace(TinyArgs(), checkpoint_dir=str(tmp_path / "checkpoints"))
     replay = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
-    Checkpoints(args, 1).save(2, {"replay": sharded(replay, 2)}, args, summary="")
+    checkpoints_of(args).save(2, {"replay": sharded(replay, 2)}, **save_values(args, 2), summary="")
     for num_devices in (1, 4):  # fewer and more learner devices than the checkpoint's 2: re-sharded by orbax
-        restored, update = Checkpoints(args, 1).restore({"replay": sharded(np.zeros_like(replay), num_devices)}, args,
-                                                        summary=tree_digest)
+        restored, update = checkpoints_of(args).restore(
+            {"replay": sharded(np.zeros_like(replay), num_devices)}, **restore_values(args), summary=tree_digest
+        )
         assert update == 2 and np.array_equal(np.asarray(restored["replay"]), replay)
         assert len(restored["replay"].sharding.device_set) == num_devices
 
@@ -171,18 +210,26 @@ def test_a_sharded_state_resumes_on_fewer_and_more_devices_and_a_flipped_bit_any
     shutil.rmtree(state_folder)
     shutil.copytree(tmp_path / "damaged", state_folder)
     with pytest.raises(CheckpointError, match=r"checkpoint .*/2 is corrupted \(its state does not match the digest"):
-        Checkpoints(args, 1).restore({"replay": sharded(np.zeros_like(replay), 2)}, args, summary=str)
+        checkpoints_of(args).restore({"replay": sharded(np.zeros_like(replay), 2)}, **restore_values(args), summary=str)
 
 
 def test_a_state_shaped_by_the_device_count_names_the_count_it_needs(tmp_path):
     """R2D2's replay keeps one priority tree per learner device: its shapes depend on their number."""
     args = dataclasses.replace(TinyArgs(), checkpoint_dir=str(tmp_path / "checkpoints"))
-    Checkpoints(args, 1).save(2, {"trees": sharded(np.ones(2 * 7, np.float32), 2)}, args, summary="")
+    checkpoints_of(args).save(2, {"trees": sharded(np.ones(2 * 7, np.float32), 2)}, **save_values(args, 2), summary="")
     for num_devices in (1, 4):
-        with pytest.raises(CheckpointError, match=rf"^--learner-device-ids: checkpoint .*/2 was made on 2 learner "
-                                                  rf"devices \(over all processes\), this run has {num_devices}, .*"
-                                                  r"resume on 2 learner devices"):
-            Checkpoints(args, 1).restore({"trees": sharded(np.ones(num_devices * 5, np.float32), num_devices)}, args,
-                                         summary=str)
+        with pytest.raises(
+            CheckpointError,
+            match=rf"^--learner-device-ids: checkpoint .*/2 was made on 2 learner "
+            rf"devices \(over all processes\), this run has {num_devices}, .*"
+            r"resume on 2 learner devices",
+        ):
+            checkpoints_of(args).restore(
+                {"trees": sharded(np.ones(num_devices * 5, np.float32), num_devices)},
+                **restore_values(args),
+                summary=str,
+            )
     with pytest.raises(CheckpointError, match=r"holds a state of other shapes than this run's"):
-        Checkpoints(args, 1).restore({"trees": sharded(np.ones(2 * 5, np.float32), 2)}, args, summary=str)
+        checkpoints_of(args).restore(
+            {"trees": sharded(np.ones(2 * 5, np.float32), 2)}, **restore_values(args), summary=str
+        )

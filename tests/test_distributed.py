@@ -6,15 +6,29 @@ import time
 
 from conftest import CARTPOLE_LEARNING, finish_processes, read_scalars, run_script, start_processes, wait_for_line
 
-CARTPOLE = ["--env-id", "CartPole-v1", "--num-steps", "32", "--hiddens", "16", "--num-actor-threads", "1",
-            "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
+CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--num-steps",
+    "32",
+    "--hiddens",
+    "16",
+    "--num-actor-threads",
+    "1",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "--log-frequency",
+    "1",
+]
 DIGEST = re.compile(r"process (\d): final params sha256=([0-9a-f]{64})")
 
 
 def test_two_processes_train_one_learner(workdir):
     flags = [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"]
     results = finish_processes(start_processes(flags, workdir, 2, run_name="two"))
-    for rank, (returncode, out, err) in enumerate(results):
+    for returncode, out, err in results:
         assert returncode == 0, err
         assert "global_step=1280" in out and "process_SPS=" in out  # every process logs its own SPS
     digests = [DIGEST.search(out).groups() for _, out, _ in results]
@@ -31,8 +45,9 @@ def test_two_processes_train_one_learner(workdir):
 
 def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
     for victim in [1, 0]:  # a worker, then the coordinator
-        processes = start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "100000000"],
-                                    workdir, 2, run_name=f"kill{victim}")
+        processes = start_processes(
+            [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "100000000"], workdir, 2, run_name=f"kill{victim}"
+        )
         survivor = processes[1 - victim]
         try:
             wait_for_line(processes[0], "update=3/")  # both are training together
@@ -50,8 +65,9 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
 def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir, cartpole_learning_run):
     one = cartpole_learning_run  # 1 process x 8 envs
     assert one.returncode == 0, one.stderr
-    results = finish_processes(start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"),
-                     timeout=600)
+    results = finish_processes(
+        start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"), timeout=600
+    )
     assert all(returncode == 0 for returncode, _, _ in results), results[0][2] + results[1][2]
     for run_dir in [one.run_dir, workdir / "runs" / "two"]:
         returns = [value for _, value in read_scalars(run_dir)["charts/avg_episodic_return"]]
@@ -89,8 +105,12 @@ def test_processes_in_different_folders_stop_at_once_with_one_line(tmp_path):
     for folder in folders:
         folder.mkdir()
     start = time.time()
-    results = finish_processes(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"], folders, 2,
-                                     run_name="apart"), timeout=120)
+    results = finish_processes(
+        start_processes(
+            [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280"], folders, 2, run_name="apart"
+        ),
+        timeout=120,
+    )
     seconds = time.time() - start
     for rank, (returncode, out, err) in enumerate(results):
         assert returncode == 2, (rank, out, err)
@@ -100,8 +120,15 @@ def test_processes_in_different_folders_stop_at_once_with_one_line(tmp_path):
     assert seconds < 60, f"took {seconds:.0f}s"
     # the documented fix: one --checkpoint-dir that both see (here the same absolute path), and the run trains
     shared = tmp_path / "shared_checkpoints"
-    results = finish_processes(start_processes([*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280",
-                                      "--checkpoint-dir", str(shared)], folders, 2, run_name="apart"), timeout=300)
+    results = finish_processes(
+        start_processes(
+            [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "1280", "--checkpoint-dir", str(shared)],
+            folders,
+            2,
+            run_name="apart",
+        ),
+        timeout=300,
+    )
     assert [returncode for returncode, _, _ in results] == [0, 0], results[0][2] + results[1][2]
     assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["5"]  # the final checkpoint, by both
     assert not (folders[1] / "runs").exists()  # process 1 writes nothing of its own

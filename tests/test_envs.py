@@ -7,31 +7,67 @@ import os
 import types
 
 import gymnasium
+import jax
 import numpy as np
 import pytest
-
-from cleanrl_utils import envs as env_families
-import jax
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, run_script
 from flax.serialization import to_state_dict
 
+from cleanrl_utils import envs as env_families
+from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import check_capture_video, load_script
-from cleanrl_utils.flags import UsageError
-from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, run_script
 
-TINY_IMAGE = ["--local-num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--channels", "4", "--hiddens", "16"]
-TINY_RUN = ["--num-actor-threads", "1", "--total-timesteps", "96", "--log-frequency", "1", "--save-model",
-            "--eval-episodes", "1"]
+TINY_IMAGE = [
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "8",
+    "--num-minibatches",
+    "2",
+    "--channels",
+    "4",
+    "--hiddens",
+    "16",
+]
+TINY_RUN = [
+    "--num-actor-threads",
+    "1",
+    "--total-timesteps",
+    "96",
+    "--log-frequency",
+    "1",
+    "--save-model",
+    "--eval-episodes",
+    "1",
+]
 # family -> (script, example id, tiny flags): IMPALA on MiniGrid, Procgen and Football, PPO on VizDoom (with
 # --env-options, which the saved model's evaluation must rebuild: it fails on 84x84x12 frames otherwise), MuJoCo PPO
 # on dm_control; the learning tests below run the same checks on longer runs
 FAMILY_RUNS = {
-    "minigrid": (IMPALA_SCRIPT, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "4", "--num-steps", "8",
-                                                          "--num-minibatches", "2", "--hiddens", "16"]),
+    "minigrid": (
+        IMPALA_SCRIPT,
+        "MiniGrid-Empty-5x5-v0",
+        ["--local-num-envs", "4", "--num-steps", "8", "--num-minibatches", "2", "--hiddens", "16"],
+    ),
     "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
     "football": (IMPALA_SCRIPT, "gfootball/academy_empty_goal_close-v1", TINY_IMAGE),
     "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--env-options", "img_height=30", "img_width=45", "stack_num=1"]),
-    "dm_control": (MUJOCO_SCRIPT, "CartpoleBalance-v1", ["--local-num-envs", "2", "--num-steps", "16", "--hiddens",
-                                                         "8", "--num-minibatches", "2", "--update-epochs", "1"]),
+    "dm_control": (
+        MUJOCO_SCRIPT,
+        "CartpoleBalance-v1",
+        [
+            "--local-num-envs",
+            "2",
+            "--num-steps",
+            "16",
+            "--hiddens",
+            "8",
+            "--num-minibatches",
+            "2",
+            "--update-epochs",
+            "1",
+        ],
+    ),
 }
 
 
@@ -42,8 +78,9 @@ def family_run(tmp_path_factory):
     def run(family):  # each family's run once per module, shared by the tests that read it
         if family not in runs:
             script, env_id, flags = FAMILY_RUNS[family]
-            runs[family] = run_script(["--env-id", env_id, *flags, *TINY_RUN], tmp_path_factory.mktemp(family),
-                                      script=script, timeout=240)
+            runs[family] = run_script(
+                ["--env-id", env_id, *flags, *TINY_RUN], tmp_path_factory.mktemp(family), script=script, timeout=240
+            )
         return runs[family]
 
     return run
@@ -57,13 +94,20 @@ def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     assert [step for step, _ in scalars["charts/SPS"]] == [32, 64, 96]
     assert [v for _, v in scalars["stats/actor_policy_version"]] == [0, 0, 1]  # one version behind
     assert np.all(np.isfinite([v for _, v in scalars["losses/loss"]]))
-    assert len(scalars["eval/episodic_return"]) == 1 and (run.run_dir / f"{FAMILY_RUNS[family][0].stem}.cleanrl_model").exists()
+    assert (
+        len(scalars["eval/episodic_return"]) == 1
+        and (run.run_dir / f"{FAMILY_RUNS[family][0].stem}.cleanrl_model").exists()
+    )
 
 
 # the replay scripts' tiny networks; their runs on Atari and CartPole are in test_r2d2.py and test_muzero.py
-REPLAY_SCRIPTS = {"r2d2": (R2D2_SCRIPT, dict(channels=[4], hiddens=[16], lstm_size=8)),
-                  "muzero": (MUZERO_SCRIPT, dict(channels=[4, 4], num_blocks=1, hiddens=[16], embedding_size=8,
-                                                 support_size=5, num_simulations=4))}
+REPLAY_SCRIPTS = {
+    "r2d2": (R2D2_SCRIPT, dict(channels=[4], hiddens=[16], lstm_size=8)),
+    "muzero": (
+        MUZERO_SCRIPT,
+        dict(channels=[4, 4], num_blocks=1, hiddens=[16], embedding_size=8, support_size=5, num_simulations=4),
+    ),
+}
 
 
 @pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"])
@@ -94,25 +138,42 @@ def test_family_renders_frames_for_videos(env_id):
 def test_football_videos_are_refused_before_training_in_one_line():
     with pytest.raises(UsageError) as error:
         check_capture_video(PPO_SCRIPT, "gfootball/academy_empty_goal_close-v1")
-    assert str(error.value) == ("--capture-video: gfootball/academy_empty_goal_close-v1 cannot be rendered here "
-                                "(RuntimeError: render not implemented for this environment); run without --capture-video")
+    assert str(error.value) == (
+        "--capture-video: gfootball/academy_empty_goal_close-v1 cannot be rendered here "
+        "(RuntimeError: render not implemented for this environment); run without --capture-video"
+    )
 
 
 def test_flatten_obs_concatenates_sorted_keys_as_float32():
-    space = gymnasium.spaces.Dict({"velocity": gymnasium.spaces.Box(-1, 1, (2,)), "mission": gymnasium.spaces.Box(0, 255, (5,), np.uint8),
-                                   "image": gymnasium.spaces.Box(0, 255, (2, 2, 3), np.uint8)})
+    space = gymnasium.spaces.Dict(
+        {
+            "velocity": gymnasium.spaces.Box(-1, 1, (2,)),
+            "mission": gymnasium.spaces.Box(0, 255, (5,), np.uint8),
+            "image": gymnasium.spaces.Box(0, 255, (2, 2, 3), np.uint8),
+        }
+    )
     keys = env_families.dict_obs_keys(space)
     assert keys == ["image", "velocity"]  # sorted; MiniGrid's mission bytes are left out
-    obs = {"velocity": np.arange(4.0).reshape(2, 2), "mission": np.ones((2, 5), np.uint8),
-           "image": np.arange(24, dtype=np.uint8).reshape(2, 2, 2, 3)}
+    obs = {
+        "velocity": np.arange(4.0).reshape(2, 2),
+        "mission": np.ones((2, 5), np.uint8),
+        "image": np.arange(24, dtype=np.uint8).reshape(2, 2, 2, 3),
+    }
     flat = env_families.flatten_obs(obs, keys)
     expected = np.array([list(range(12)) + [0, 1], list(range(12, 24)) + [2, 3]], np.float32)
     assert flat.dtype == np.float32 and np.array_equal(flat, expected)
     assert env_families.flat_obs_space(space).shape == (14,)
 
 
-@pytest.mark.parametrize("env_id,shape", [("CheetahRun-v1", (17,)), ("MiniGrid-Empty-5x5-v0", (148,)),
-                                          ("gfootball/academy_empty_goal_close-v1", (72, 96, 4)), ("BigfishEasy-v0", (3, 64, 64))])
+@pytest.mark.parametrize(
+    "env_id,shape",
+    [
+        ("CheetahRun-v1", (17,)),
+        ("MiniGrid-Empty-5x5-v0", (148,)),
+        ("gfootball/academy_empty_goal_close-v1", (72, 96, 4)),
+        ("BigfishEasy-v0", (3, 64, 64)),
+    ],
+)
 def test_env_spaces_are_what_the_envs_return(env_id, shape):
     obs_space, action_space = env_families.env_spaces(env_id)
     envs = env_families.make_envpool(env_id, seed=0, num_envs=2)
@@ -122,20 +183,36 @@ def test_env_spaces_are_what_the_envs_return(env_id, shape):
     assert obs.shape == (2, *shape)
 
 
-@pytest.mark.parametrize("env_id,discrete", [("CartPole-v1", True), ("Pendulum-v1", False), ("CheetahRun-v1", False),
-                                              ("Breakout-v5", True)])
+@pytest.mark.parametrize(
+    "env_id,discrete", [("CartPole-v1", True), ("Pendulum-v1", False), ("CheetahRun-v1", False), ("Breakout-v5", True)]
+)
 def test_each_kind_of_script_takes_the_ids_of_its_actions(env_id, discrete):
     env_families.check_env_id(env_id, discrete=discrete)  # classic control has both: CartPole (PPO), Pendulum (SAC)
 
 
-@pytest.mark.parametrize("env_id,discrete,message", [
-    ("CheetahRun-v1", True, "--env-id 'CheetahRun-v1' is not supported: use an envpool id of Atari (Breakout-v5), "),
-    ("Basic-v1", False, "--env-id 'Basic-v1' is not supported: use an envpool id of MuJoCo (gym) (HalfCheetah-v4), "
-                        "DeepMind Control (CheetahRun-v1)"),
-    ("Pendulum-v1", True, "--env-id 'Pendulum-v1' is not supported (continuous actions): use an envpool id of"),
-    ("BabyAI-GoToObj-v0", True, "--env-id 'BabyAI-GoToObj-v0' is not supported (BabyAI's missions need a text encoder)"),
-    ("Pong-v99", True, "--env-id 'Pong-v99' is not supported: use"),
-])
+@pytest.mark.parametrize(
+    "env_id,discrete,message",
+    [
+        (
+            "CheetahRun-v1",
+            True,
+            "--env-id 'CheetahRun-v1' is not supported: use an envpool id of Atari (Breakout-v5), ",
+        ),
+        (
+            "Basic-v1",
+            False,
+            "--env-id 'Basic-v1' is not supported: use an envpool id of MuJoCo (gym) (HalfCheetah-v4), "
+            "DeepMind Control (CheetahRun-v1)",
+        ),
+        ("Pendulum-v1", True, "--env-id 'Pendulum-v1' is not supported (continuous actions): use an envpool id of"),
+        (
+            "BabyAI-GoToObj-v0",
+            True,
+            "--env-id 'BabyAI-GoToObj-v0' is not supported (BabyAI's missions need a text encoder)",
+        ),
+        ("Pong-v99", True, "--env-id 'Pong-v99' is not supported: use"),
+    ],
+)
 def test_unsupported_ids_are_one_line(env_id, discrete, message):
     with pytest.raises(UsageError) as error:
         env_families.check_env_id(env_id, discrete=discrete)
@@ -145,12 +222,16 @@ def test_unsupported_ids_are_one_line(env_id, discrete, message):
 @pytest.mark.parametrize("value", [None, "4"])
 def test_vizdoom_needs_one_openblas_thread(monkeypatch, value):
     # the scripts set OPENBLAS_NUM_THREADS=1 unless the user set it; another value could hang at the forks
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False) if value is None else monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False) if value is None else monkeypatch.setenv(
+        "OPENBLAS_NUM_THREADS", value
+    )
     with pytest.raises(UsageError) as error:
         env_families.check_env_id("Basic-v1", discrete=True)
-    assert str(error.value) == (f"--env-id 'Basic-v1' needs OPENBLAS_NUM_THREADS=1 in the environment (found {value!r}): "
-                                "its game processes are forked from several threads at once, and OpenBLAS's fork "
-                                "handler can hang then")
+    assert str(error.value) == (
+        f"--env-id 'Basic-v1' needs OPENBLAS_NUM_THREADS=1 in the environment (found {value!r}): "
+        "its game processes are forked from several threads at once, and OpenBLAS's fork "
+        "handler can hang then"
+    )
 
 
 def test_vizdoom_options_give_discrete_combined_actions():
@@ -161,21 +242,32 @@ def test_vizdoom_options_give_discrete_combined_actions():
 def test_env_options_override_the_family_options():
     # envpool's config of the id decides: the family's cited options stay unless overridden; ints pass for floats
     options = env_families.env_options("Basic-v1", ["img_height=42", "img_width=56", "stack_num=1", "game_args=-fast"])
-    assert options == {**env_families.FAMILIES["envpool.vizdoom"].options, "img_height": 42, "img_width": 56,
-                       "stack_num": 1, "game_args": "-fast"}
+    assert options == {
+        **env_families.FAMILIES["envpool.vizdoom"].options,
+        "img_height": 42,
+        "img_width": 56,
+        "stack_num": 1,
+        "game_args": "-fast",
+    }
     assert env_families.env_spaces("Basic-v1", ["img_height=42", "img_width=56", "stack_num=1"])[0].shape == (3, 42, 56)
     assert env_families.env_options("BigfishEasy-v0", ["num_levels=200"])["num_levels"] == 200
     assert env_families.env_options("Breakout-v5", ["repeat_action_probability=0"])["repeat_action_probability"] == 0.0
 
 
-@pytest.mark.parametrize("pair,message", [
-    ("foo=1", "--env-options 'foo=1' is not KEY=VALUE with a KEY of Basic-v1's envpool options: cfg_path, "),
-    ("img_height", "--env-options 'img_height' is not KEY=VALUE with a KEY of Basic-v1's envpool options: "),
-    ("num_envs=4", "--env-options 'num_envs=4' is not KEY=VALUE"),  # make_envpool sets it
-    ("use_combined_action=False", "--env-options 'use_combined_action=False' is not KEY=VALUE"),  # a Box of buttons
-    ("img_height=4.5", "--env-options 'img_height=4.5': img_height takes int values (envpool's default for Basic-v1: 84)"),
-    ("episodic_life=yes", "--env-options 'episodic_life=yes': episodic_life takes bool values"),
-])
+@pytest.mark.parametrize(
+    "pair,message",
+    [
+        ("foo=1", "--env-options 'foo=1' is not KEY=VALUE with a KEY of Basic-v1's envpool options: cfg_path, "),
+        ("img_height", "--env-options 'img_height' is not KEY=VALUE with a KEY of Basic-v1's envpool options: "),
+        ("num_envs=4", "--env-options 'num_envs=4' is not KEY=VALUE"),  # make_envpool sets it
+        ("use_combined_action=False", "--env-options 'use_combined_action=False' is not KEY=VALUE"),  # a Box of buttons
+        (
+            "img_height=4.5",
+            "--env-options 'img_height=4.5': img_height takes int values (envpool's default for Basic-v1: 84)",
+        ),
+        ("episodic_life=yes", "--env-options 'episodic_life=yes': episodic_life takes bool values"),
+    ],
+)
 def test_bad_env_options_are_one_line(pair, message):
     with pytest.raises(UsageError) as error:
         env_families.check_env_id("Basic-v1", discrete=True, env_options=[pair])
@@ -199,6 +291,7 @@ def test_vizdoom_folder_exists_before_its_game_processes_start(monkeypatch, tmp_
 
 class ShortAndLongEpisodes:
     """Env 0 ends an episode every step with return 0; the other 7 every 4 steps with return 4."""
+
     action_space = gymnasium.spaces.Discrete(2)
 
     def __init__(self):
@@ -229,20 +322,43 @@ def test_a_family_that_cannot_start_says_what_to_install(monkeypatch):
         raise ImportError("EnvPool Procgen requires the system Qt 5 runtime on Linux.\nInstall the Qt5 libraries")
 
     monkeypatch.setattr(env_families.envpool, "make_spec", missing_qt)
-    with pytest.raises(UsageError, match=r"^--env-id 'BigfishEasy-v0' cannot start here \(EnvPool Procgen requires the "
-                                         r"system Qt 5 runtime on Linux.\): install the Qt 5 runtime first: "
-                                         r"apt-get install libqt5gui5 \(Debian/Ubuntu\)$"):
+    with pytest.raises(
+        UsageError,
+        match=r"^--env-id 'BigfishEasy-v0' cannot start here \(EnvPool Procgen requires the "
+        r"system Qt 5 runtime on Linux.\): install the Qt 5 runtime first: "
+        r"apt-get install libqt5gui5 \(Debian/Ubuntu\)$",
+    ):
         env_families.check_env_id("BigfishEasy-v0", discrete=True)
 
 
-def trained_and_random_returns(tmp_path, env_id: str, flags: list[str], script=PPO_SCRIPT, random_episodes: int = 64,
-                               env_options: tuple[str, ...] = ()) -> tuple[float, float]:
+def trained_and_random_returns(
+    tmp_path,
+    env_id: str,
+    flags: list[str],
+    script=PPO_SCRIPT,
+    random_episodes: int = 64,
+    env_options: tuple[str, ...] = (),
+) -> tuple[float, float]:
     """A learning run as users start it, with --save-model: exit 0, the actor one policy version behind at every
     update, finite losses; returns the saved model's mean evaluation return and the random policy's, measured
     on the same env (with the same --env-options)."""
     options = ["--env-options", *env_options] if env_options else []
-    run = run_script(["--env-id", env_id, *options, *flags, "--num-actor-threads", "1", "--checkpoint-frequency", "0",
-                      "--save-model"], tmp_path, script=script, timeout=400)
+    run = run_script(
+        [
+            "--env-id",
+            env_id,
+            *options,
+            *flags,
+            "--num-actor-threads",
+            "1",
+            "--checkpoint-frequency",
+            "0",
+            "--save-model",
+        ],
+        tmp_path,
+        script=script,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     scalars = run.scalars()
     actor_versions = [v for _, v in scalars["stats/actor_policy_version"]]
@@ -259,10 +375,31 @@ def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     # rl-starter-files' PPO settings for MiniGrid (lr 1e-3, 4 epochs, gamma 0.99); 60k steps, ~30 s on CPU.
     # Reaching the goal pays 1 - 0.9 * steps / 100 (MiniGrid), so the best return is ~0.95; random play ~0.2.
     trained, random = trained_and_random_returns(
-        tmp_path, "MiniGrid-Empty-5x5-v0", ["--local-num-envs", "16", "--num-steps", "32", "--num-minibatches", "4",
-                                            "--update-epochs", "4", "--learning-rate", "1e-3", "--hiddens", "64", "64",
-                                            "--total-timesteps", "61440", "--log-frequency", "10", "--eval-episodes", "16"],
-        random_episodes=200)
+        tmp_path,
+        "MiniGrid-Empty-5x5-v0",
+        [
+            "--local-num-envs",
+            "16",
+            "--num-steps",
+            "32",
+            "--num-minibatches",
+            "4",
+            "--update-epochs",
+            "4",
+            "--learning-rate",
+            "1e-3",
+            "--hiddens",
+            "64",
+            "64",
+            "--total-timesteps",
+            "61440",
+            "--log-frequency",
+            "10",
+            "--eval-episodes",
+            "16",
+        ],
+        random_episodes=200,
+    )
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
 
 
@@ -271,8 +408,12 @@ def test_mujoco_ppo_learns_dm_control_cartpole_balance(tmp_path):
     # per step over 1000 steps (Tassa et al. 2018); random actions keep the pole up for a while (about 360), and
     # published curves reach ~1000 only after ~1M steps, so the bar is a clear gain over random measured here.
     trained, random = trained_and_random_returns(
-        tmp_path, "CartpoleBalance-v1", ["--total-timesteps", "200000", "--log-frequency", "20", "--eval-episodes", "8"],
-        script=MUJOCO_SCRIPT, random_episodes=16)
+        tmp_path,
+        "CartpoleBalance-v1",
+        ["--total-timesteps", "200000", "--log-frequency", "20", "--eval-episodes", "8"],
+        script=MUJOCO_SCRIPT,
+        random_episodes=16,
+    )
     assert trained > random + 100, (trained, random)
 
 
@@ -282,10 +423,32 @@ def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     # 4-channel stage) on the Super Mini Map, lr 1e-3, 10k steps (about 60 s here; greedy evaluation 1.00 at 10k and
     # at 16k steps, measured); the greedy policy is evaluated.
     trained, random = trained_and_random_returns(
-        tmp_path, "gfootball/academy_empty_goal_close-v1",
-        ["--local-num-envs", "16", "--num-steps", "32", "--num-minibatches", "4", "--update-epochs", "2",
-         "--learning-rate", "1e-3", "--channels", "4", "--hiddens", "32", "--total-timesteps", "10240",
-         "--log-frequency", "8", "--eval-episodes", "16", "--eval-greedy"])
+        tmp_path,
+        "gfootball/academy_empty_goal_close-v1",
+        [
+            "--local-num-envs",
+            "16",
+            "--num-steps",
+            "32",
+            "--num-minibatches",
+            "4",
+            "--update-epochs",
+            "2",
+            "--learning-rate",
+            "1e-3",
+            "--channels",
+            "4",
+            "--hiddens",
+            "32",
+            "--total-timesteps",
+            "10240",
+            "--log-frequency",
+            "8",
+            "--eval-episodes",
+            "16",
+            "--eval-greedy",
+        ],
+    )
     assert trained > random + 0.4, (trained, random)
 
 
@@ -296,11 +459,33 @@ def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     # learning task: envpool pays it only per kill, about one per 1,000 random steps, too sparse for CPU minutes.
     # 30x45 RGB frames (ViZDoom's own DQN example's resolution), CPU-sized IMPALA CNN, greedy policy evaluated.
     trained, random = trained_and_random_returns(
-        tmp_path, "DefendTheCenter-v1",
-        ["--local-num-envs", "16", "--num-steps", "32", "--num-minibatches", "4", "--update-epochs", "2",
-         "--learning-rate", "1e-3", "--channels", "4", "--hiddens", "32", "--total-timesteps", "16384",
-         "--log-frequency", "8", "--eval-episodes", "16", "--eval-greedy"],
-        env_options=("img_height=30", "img_width=45", "stack_num=1"))
+        tmp_path,
+        "DefendTheCenter-v1",
+        [
+            "--local-num-envs",
+            "16",
+            "--num-steps",
+            "32",
+            "--num-minibatches",
+            "4",
+            "--update-epochs",
+            "2",
+            "--learning-rate",
+            "1e-3",
+            "--channels",
+            "4",
+            "--hiddens",
+            "32",
+            "--total-timesteps",
+            "16384",
+            "--log-frequency",
+            "8",
+            "--eval-episodes",
+            "16",
+            "--eval-greedy",
+        ],
+        env_options=("img_height=30", "img_width=45", "stack_num=1"),
+    )
     assert trained > random + 1.5, (trained, random)  # one and a half kills more per episode
 
 
@@ -310,9 +495,30 @@ def test_ppo_learns_procgen_bigfish_on_one_level(tmp_path):
     # Procgen's own simplified visuals (no backgrounds, one theme, monochrome assets). Eating a smaller fish pays 1;
     # random play eats about 0.3 there before a bigger fish eats it. Same CPU-sized PPO as Football, 64 envs.
     trained, random = trained_and_random_returns(
-        tmp_path, "BigfishEasy-v0",
-        ["--local-num-envs", "64", "--num-steps", "16", "--num-minibatches", "4", "--update-epochs", "2",
-         "--learning-rate", "2e-3", "--channels", "4", "--hiddens", "32", "--total-timesteps", "24576",
-         "--log-frequency", "8", "--eval-episodes", "32"],
-        env_options=("num_levels=1", "use_backgrounds=False", "restrict_themes=True", "use_monochrome_assets=True"))
+        tmp_path,
+        "BigfishEasy-v0",
+        [
+            "--local-num-envs",
+            "64",
+            "--num-steps",
+            "16",
+            "--num-minibatches",
+            "4",
+            "--update-epochs",
+            "2",
+            "--learning-rate",
+            "2e-3",
+            "--channels",
+            "4",
+            "--hiddens",
+            "32",
+            "--total-timesteps",
+            "24576",
+            "--log-frequency",
+            "8",
+            "--eval-episodes",
+            "32",
+        ],
+        env_options=("num_levels=1", "use_backgrounds=False", "restrict_themes=True", "use_monochrome_assets=True"),
+    )
     assert trained > random + 0.4, (trained, random)

@@ -16,15 +16,31 @@ import jax
 import numpy as np
 import pytest
 import yaml
-
 from conftest import IMPALA_SCRIPT, PPO_SCRIPT, free_port, load_script, read_scalars, run_script
+
 from cleanrl_utils import huggingface
+from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals import evaluate as evaluate_module
 from cleanrl_utils.evals.evaluate import evaluate, run_episodes
-from cleanrl_utils.flags import UsageError
 
-TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--num-actor-threads", "1",
-                 "--hiddens", "8", "--total-timesteps", "256", "--checkpoint-frequency", "0", "--exp-name", "tiny"]
+TINY_CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "32",
+    "--num-actor-threads",
+    "1",
+    "--hiddens",
+    "8",
+    "--total-timesteps",
+    "256",
+    "--checkpoint-frequency",
+    "0",
+    "--exp-name",
+    "tiny",
+]
 SCRIPT_STEM = PPO_SCRIPT.stem
 
 
@@ -32,9 +48,21 @@ SCRIPT_STEM = PPO_SCRIPT.stem
 def saved_run(tmp_path_factory):
     """A user's run that trains, saves, evaluates 3 episodes with a video, then fails to upload."""
     workdir = tmp_path_factory.mktemp("evals")
-    run = run_script([*TINY_CARTPOLE, "--save-model", "--eval-episodes", "3", "--capture-video", "--upload-model",
-                      "--hf-entity", "someone"], workdir, run_name="saved",
-                     env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_TOKEN": "hf_not_a_real_token"})
+    run = run_script(
+        [
+            *TINY_CARTPOLE,
+            "--save-model",
+            "--eval-episodes",
+            "3",
+            "--capture-video",
+            "--upload-model",
+            "--hf-entity",
+            "someone",
+        ],
+        workdir,
+        run_name="saved",
+        env={"HF_ENDPOINT": f"http://127.0.0.1:{free_port()}", "HF_TOKEN": "hf_not_a_real_token"},
+    )
     run.model_path = run.run_dir / "tiny.cleanrl_model"
     run.video_dir = workdir / "videos" / "saved"
     run.eval_returns = [value for _, value in read_scalars(run.run_dir).get("eval/episodic_return", [])]
@@ -52,11 +80,14 @@ def test_saved_model_is_evaluated_and_logged(saved_run):
 def test_upload_failure_keeps_model_card_script_and_video(saved_run):
     errors = [line for line in saved_run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in saved_run.stderr, saved_run.stderr
-    assert errors[0].startswith("error: --upload-model: uploading to someone/CartPole-v1-tiny-seed1 failed (ConnectError")
+    assert errors[0].startswith(
+        "error: --upload-model: uploading to someone/CartPole-v1-tiny-seed1 failed (ConnectError"
+    )
     hub = saved_run.run_dir / "hub"
     assert f"kept in {Path('runs/saved/hub')}/" in errors[0] and "hf upload someone/CartPole-v1-tiny-seed1" in errors[0]
     assert sorted(p.name for p in hub.iterdir()) == sorted(
-        ["README.md", "tiny.cleanrl_model", f"{SCRIPT_STEM}.py", "replay.mp4"])
+        ["README.md", "tiny.cleanrl_model", f"{SCRIPT_STEM}.py", "replay.mp4"]
+    )
     assert (hub / "tiny.cleanrl_model").read_bytes() == saved_run.model_path.read_bytes()
     assert (hub / f"{SCRIPT_STEM}.py").read_text() == PPO_SCRIPT.read_text()
     assert (hub / "replay.mp4").read_bytes() == (saved_run.video_dir / "eval-episode-0.mp4").read_bytes()
@@ -82,7 +113,10 @@ def test_hub_repo_names_are_one_path_part():
     from cleanrl_utils.huggingface import repo_name
 
     assert repo_name("CartPole-v1", "ppo", 1) == "CartPole-v1-ppo-seed1"
-    assert repo_name("gfootball/academy_empty_goal_close-v1", "ppo", 1) == "gfootball-academy_empty_goal_close-v1-ppo-seed1"
+    assert (
+        repo_name("gfootball/academy_empty_goal_close-v1", "ppo", 1)
+        == "gfootball-academy_empty_goal_close-v1-ppo-seed1"
+    )
 
 
 def test_model_card(saved_run):
@@ -103,8 +137,17 @@ def test_model_card(saved_run):
 
 
 def test_model_card_without_video_and_greedy():
-    card = huggingface.model_card("me/x", {"env_id": "Pong-v5"}, "s", "summary", "python s.py", [1.0, 3.0],
-                                  greedy=True, model_file="m.cleanrl_model", has_video=False)
+    card = huggingface.model_card(
+        "me/x",
+        {"env_id": "Pong-v5"},
+        "s",
+        "summary",
+        "python s.py",
+        [1.0, 3.0],
+        greedy=True,
+        model_file="m.cleanrl_model",
+        has_video=False,
+    )
     assert "<video" not in card and "2 episodes with greedy actions: episodic return\n**2.00 +/- 1.00**" in card
 
 
@@ -126,12 +169,22 @@ def test_upload_calls_the_hub_with_the_folder(saved_run, tmp_path, monkeypatch):
     model_path = tmp_path / "run" / "tiny.cleanrl_model"
     model_path.parent.mkdir()
     model_path.write_bytes(saved_run.model_path.read_bytes())
-    args = evaluate_module.saved_args(load_script(PPO_SCRIPT), flax.serialization.msgpack_restore(model_path.read_bytes()))
-    assert huggingface.push_to_hub(replace(args, hf_entity=None), [9.0, 11.0], model_path, PPO_SCRIPT, saved_run.video_dir)
+    args = evaluate_module.saved_args(
+        load_script(PPO_SCRIPT), flax.serialization.msgpack_restore(model_path.read_bytes())
+    )
+    assert huggingface.push_to_hub(
+        replace(args, hf_entity=None), [9.0, 11.0], model_path, PPO_SCRIPT, saved_run.video_dir
+    )
     repo_id = "alice/CartPole-v1-tiny-seed1"
-    assert calls == [("create_repo", repo_id, True), ("upload_folder", repo_id, tmp_path / "run" / "hub",
-                                                      sorted(["README.md", "tiny.cleanrl_model", f"{SCRIPT_STEM}.py",
-                                                              "replay.mp4"]))]
+    assert calls == [
+        ("create_repo", repo_id, True),
+        (
+            "upload_folder",
+            repo_id,
+            tmp_path / "run" / "hub",
+            sorted(["README.md", "tiny.cleanrl_model", f"{SCRIPT_STEM}.py", "replay.mp4"]),
+        ),
+    ]
     assert f"hf download {repo_id}" in (tmp_path / "run" / "hub" / "README.md").read_text()
 
 
@@ -184,8 +237,13 @@ class ScriptedEnvs:
             reward[i] = i + 1
             done[i] = self.t[i] == self.lengths[i][self.episode[i]]
         if self.atari_info:  # lives: terminated every step, game over only at done; clipped reward 0
-            return np.zeros((n, 1)), np.zeros(n), np.ones(n, bool), np.zeros(n, bool), {"reward": reward,
-                                                                                        "terminated": done}
+            return (
+                np.zeros((n, 1)),
+                np.zeros(n),
+                np.ones(n, bool),
+                np.zeros(n, bool),
+                {"reward": reward, "terminated": done},
+            )
         return np.zeros((n, 1)), reward, done, np.zeros(n, dtype=bool), {}
 
 
@@ -200,23 +258,30 @@ def test_run_episodes_gives_each_env_its_share_in_episode_order(atari_info):
 
 def test_render_probe_fails_before_training_with_one_line(tmp_path, capsys):
     script = tmp_path / "no_opengl.py"
-    script.write_text("import os\nArgs = make_eval_policy = None\n"
-                      "def make_env(env_id, seed, num_envs, render_mode=None):\n"
-                      "    print('an OpenGL platform library has not been loaded', file=__import__('sys').stderr)\n"
-                      "    os.abort()\n")
+    script.write_text(
+        "import os\nArgs = make_eval_policy = None\n"
+        "def make_env(env_id, seed, num_envs, render_mode=None):\n"
+        "    print('an OpenGL platform library has not been loaded', file=__import__('sys').stderr)\n"
+        "    os.abort()\n"
+    )
     with pytest.raises(UsageError) as error_info:  # a library raises; the script's run_cli prints it in one line
         evaluate_module.check_capture_video(script, "HalfCheetah-v4")
     error = str(error_info.value)
     assert len(error.splitlines()) == 1 and error.startswith(
-        "--capture-video: HalfCheetah-v4 cannot be rendered here (an OpenGL platform library has not been loaded)")
+        "--capture-video: HalfCheetah-v4 cannot be rendered here (an OpenGL platform library has not been loaded)"
+    )
     assert error.endswith("run without --capture-video (envpool's MuJoCo envs need an OpenGL context to render)")
 
 
 def test_upload_without_a_token_fails_before_training(workdir):
-    run = run_script([*TINY_CARTPOLE, "--save-model", "--upload-model"], workdir,
-                     env={"HF_TOKEN": "", "HF_HOME": str(workdir / "hf_home")})
+    run = run_script(
+        [*TINY_CARTPOLE, "--save-model", "--upload-model"],
+        workdir,
+        env={"HF_TOKEN": "", "HF_HOME": str(workdir / "hf_home")},
+    )
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == (
-        "error: --upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN")
+        "error: --upload-model needs a Hugging Face token: run `hf auth login` or set HF_TOKEN"
+    )
     assert not (workdir / "runs").exists()
 
 
@@ -234,23 +299,39 @@ def test_evaluator_bad_input_is_one_clear_line(tmp_path, capsys):
     cases = [
         (["--model-path", str(tmp_path / "missing.cleanrl_model")], "is not a file"),
         (["--model-path", str(not_a_model)], "is not a saved model"),
-        (["--model-path", str(write_model(tmp_path / "a.cleanrl_model", {"params": {}}))],
-         "is not a saved model of a cleanba/ script (it needs the keys script, args and params)"),
-        (["--model-path", str(write_model(tmp_path / "b.cleanrl_model", {"script": "nope", "args": args_json,
-                                                                         "params": {}}))],
-         "the model was made by script 'nope', which is not in"),
-        (["--model-path", str(tmp_path / "b.cleanrl_model"), "--script", str(tmp_path / "nope.py")],
-         f"--script '{tmp_path / 'nope.py'}' is not a file"),
+        (
+            ["--model-path", str(write_model(tmp_path / "a.cleanrl_model", {"params": {}}))],
+            "is not a saved model of a cleanba/ script (it needs the keys script, args and params)",
+        ),
+        (
+            [
+                "--model-path",
+                str(write_model(tmp_path / "b.cleanrl_model", {"script": "nope", "args": args_json, "params": {}})),
+            ],
+            "the model was made by script 'nope', which is not in",
+        ),
+        (
+            ["--model-path", str(tmp_path / "b.cleanrl_model"), "--script", str(tmp_path / "nope.py")],
+            f"--script '{tmp_path / 'nope.py'}' is not a file",
+        ),
         (["--model-path", str(tmp_path / "b.cleanrl_model"), "--script", str(not_a_model)], "is not a Python file"),
-        (["--model-path", str(tmp_path / "b.cleanrl_model"), "--script", str(other_script)],
-         "has no Args: it does not follow the evaluation contract"),
-        (["--model-path", str(tmp_path / "b.cleanrl_model"), "--eval-episodes", "0"],
-         "--eval-episodes and --num-envs must be positive integers"),
+        (
+            ["--model-path", str(tmp_path / "b.cleanrl_model"), "--script", str(other_script)],
+            "has no Args: it does not follow the evaluation contract",
+        ),
+        (
+            ["--model-path", str(tmp_path / "b.cleanrl_model"), "--eval-episodes", "0"],
+            "--eval-episodes and --num-envs must be positive integers",
+        ),
         # a training seed's range, checked before the model is read
-        (["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", str(2**32)],
-         "--seed must be in [0, 4294967295], got 4294967296"),
-        (["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", "-1"],
-         "--seed must be in [0, 4294967295], got -1"),
+        (
+            ["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", str(2**32)],
+            "--seed must be in [0, 4294967295], got 4294967296",
+        ),
+        (
+            ["--model-path", str(tmp_path / "missing.cleanrl_model"), "--seed", "-1"],
+            "--seed must be in [0, 4294967295], got -1",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -269,8 +350,9 @@ def test_envpool_seed_is_the_seed_where_envpool_takes_it():
 def test_largest_seed_trains_saves_and_evaluates(workdir):
     """envpool takes an int32 seed: a run with a seed of the documented range above it trained and saved, then its
     evaluation stopped with an AssertionError traceback (the model was saved, the run's evaluation lost)."""
-    run = run_script([*TINY_CARTPOLE, "--seed", str(2**32 - 1), "--save-model", "--eval-episodes", "2"], workdir,
-                     run_name="largest")
+    run = run_script(
+        [*TINY_CARTPOLE, "--seed", str(2**32 - 1), "--save-model", "--eval-episodes", "2"], workdir, run_name="largest"
+    )
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "evaluated runs/largest/tiny.cleanrl_model (sampled actions): 2 episodes" in run.stdout
     logged = [value for _, value in read_scalars(run.run_dir)["eval/episodic_return"]]

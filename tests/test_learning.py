@@ -13,13 +13,31 @@ def test_cartpole_reaches_400_within_250k_steps(cartpole_learning_run):
 
 def test_same_seed_same_run(workdir):
     # two actor threads and two learner devices: thread scheduling must not leak into the results
-    flags = [*CARTPOLE_PPO, "--learner-device-ids", "1", "2", "--num-actor-threads", "2", "--local-num-envs", "8",
-             "--total-timesteps", "8192", "--seed", "7"]
+    flags = [
+        *CARTPOLE_PPO,
+        "--learner-device-ids",
+        "1",
+        "2",
+        "--num-actor-threads",
+        "2",
+        "--local-num-envs",
+        "8",
+        "--total-timesteps",
+        "8192",
+        "--seed",
+        "7",
+    ]
     first, second = run_script(flags, workdir, "first"), run_script(flags, workdir, "second")
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = first.scalars(), second.scalars()
-    for tag in ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/approx_kl",
-                "charts/avg_episodic_return", "charts/avg_episodic_length"]:
+    for tag in [
+        "losses/loss",
+        "losses/policy_loss",
+        "losses/value_loss",
+        "losses/approx_kl",
+        "charts/avg_episodic_return",
+        "charts/avg_episodic_length",
+    ]:
         assert a[tag] == b[tag], tag
     other_seed = run_script([*flags[:-1], "8"], workdir, "other")
     assert other_seed.scalars()["losses/loss"] != a["losses/loss"]

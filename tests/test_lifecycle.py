@@ -7,9 +7,16 @@ import sys
 import time
 
 import pytest
+from conftest import (
+    FAULT_INJECTION,
+    IMPALA_SCRIPT,
+    PPO_SCRIPT,
+    SUBPROCESS_WARNINGS,
+    TINY_BREAKOUT_PPO,
+    run_script,
+    wait_for_line,
+)
 
-from conftest import (FAULT_INJECTION, IMPALA_SCRIPT, PPO_SCRIPT, SUBPROCESS_WARNINGS, TINY_BREAKOUT_PPO, run_script,
-                      wait_for_line)
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
 
 
@@ -17,10 +24,27 @@ CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "
 def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
     # 2 actor threads; their envs fail after 40 steps (in the third rollout): the learner is waiting on the queue
     start = time.time()
-    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(script), "env", "40", *CARTPOLE,
-                          "--num-actor-threads", "2", "--total-timesteps", "100000000", "--run-name", "t"],
-                         cwd=workdir, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(FAULT_INJECTION),
+            str(script),
+            "env",
+            "40",
+            *CARTPOLE,
+            "--num-actor-threads",
+            "2",
+            "--total-timesteps",
+            "100000000",
+            "--run-name",
+            "t",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS},
+    )
     elapsed = time.time() - start
     assert run.returncode != 0
     assert elapsed < 30, f"took {elapsed:.1f}s"
@@ -32,20 +56,55 @@ def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
 
 def test_learner_failure_ends_the_run_and_its_actors(workdir):
     start = time.time()
-    run = subprocess.run([sys.executable, str(FAULT_INJECTION), str(PPO_SCRIPT), "learner", "3", *TINY_BREAKOUT_PPO,
-                          "--num-actor-threads", "2", "--learner-device-ids", "1", "--total-timesteps", "100000000",
-                          "--run-name", "t"], cwd=workdir, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(FAULT_INJECTION),
+            str(PPO_SCRIPT),
+            "learner",
+            "3",
+            *TINY_BREAKOUT_PPO,
+            "--num-actor-threads",
+            "2",
+            "--learner-device-ids",
+            "1",
+            "--total-timesteps",
+            "100000000",
+            "--run-name",
+            "t",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS},
+    )
     assert run.returncode != 0
     assert time.time() - start < 60
     assert "injected learner failure at update 3" in run.stderr
 
 
 def test_ctrl_c_exits_promptly(workdir):
-    process = subprocess.Popen([sys.executable, str(PPO_SCRIPT), *CARTPOLE, "--num-actor-threads", "2",
-                                "--total-timesteps", "100000000", "--log-frequency", "1", "--run-name", "t"],
-                               cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(PPO_SCRIPT),
+            *CARTPOLE,
+            "--num-actor-threads",
+            "2",
+            "--total-timesteps",
+            "100000000",
+            "--log-frequency",
+            "1",
+            "--run-name",
+            "t",
+        ],
+        cwd=workdir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS},
+    )
     try:
         wait_for_line(process, "update=3/")  # training is under way
         interrupted = time.time()

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import load_script
 
 ppo = load_script()
@@ -43,8 +42,15 @@ def test_gae_matches_forward_sums_with_terminations_and_truncations(seed):
     truncations = ((rng.random((T, N)) < 0.15) & (terminations == 0)).astype(np.float32)
     truncations[-1, 0] = 1.0  # a truncation on the last step bootstraps from bootstrap_value
     terminations[-1, 1], truncations[-1, 1] = 1.0, 0.0
-    advantages, returns = ppo.compute_gae(rewards=rewards, values=values, bootstrap_value=bootstrap_value,
-                                          terminations=terminations, truncations=truncations, gamma=0.97, gae_lambda=0.9)
+    advantages, returns = ppo.compute_gae(
+        rewards=rewards,
+        values=values,
+        bootstrap_value=bootstrap_value,
+        terminations=terminations,
+        truncations=truncations,
+        gamma=0.97,
+        gae_lambda=0.9,
+    )
     expected = gae_by_forward_sums(rewards, values, bootstrap_value, terminations, truncations, 0.97, 0.9)
     np.testing.assert_allclose(advantages, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(returns, expected + values, rtol=1e-5, atol=1e-5)
@@ -56,8 +62,15 @@ def test_truncation_bootstraps_from_the_truncated_state_and_termination_does_not
     values = np.array([[0.5], [10.0], [3.0]], np.float32)  # values[1] = V(truncated last observation)
     terminations = np.array([[0.0], [0.0], [1.0]], np.float32)
     truncations = np.array([[1.0], [0.0], [0.0]], np.float32)
-    advantages, _ = ppo.compute_gae(rewards=rewards, values=values, bootstrap_value=np.array([7.0], np.float32),
-                                    terminations=terminations, truncations=truncations, gamma=0.9, gae_lambda=0.8)
+    advantages, _ = ppo.compute_gae(
+        rewards=rewards,
+        values=values,
+        bootstrap_value=np.array([7.0], np.float32),
+        terminations=terminations,
+        truncations=truncations,
+        gamma=0.9,
+        gae_lambda=0.8,
+    )
     assert advantages[0, 0] == pytest.approx(1.0 + 0.9 * 10.0 - 0.5)  # bootstrap, but no trace past the end
     assert advantages[2, 0] == pytest.approx(2.0 - 3.0)  # terminal: no bootstrap from 7.0
 
@@ -70,8 +83,18 @@ def test_ppo_loss_terms_on_a_hand_checked_batch():
     new_values, old_values, returns = jnp.array([1.5, 0.0, 0.0]), jnp.array([1.0, 0.0, 0.0]), jnp.array([2.0, 1.0, 9.0])
     entropy = jnp.array([0.7, 0.5, 100.0])
     valid = jnp.array([True, True, False])
-    batch = dict(new_logprobs=new_logprobs, entropy=entropy, new_values=new_values, old_logprobs=old_logprobs,
-                 old_values=old_values, advantages=advantages, returns=returns, valid=valid, normalizer=2.0, clip_coef=0.1)
+    batch = dict(
+        new_logprobs=new_logprobs,
+        entropy=entropy,
+        new_values=new_values,
+        old_logprobs=old_logprobs,
+        old_values=old_values,
+        advantages=advantages,
+        returns=returns,
+        valid=valid,
+        normalizer=2.0,
+        clip_coef=0.1,
+    )
     pg, v, ent, kl = ppo.ppo_loss_terms(**batch, clip_vloss=True)
     # sample 0: A=1, r=1.2 -> max(-1.2, -1.1) = -1.1; sample 1: A=-2, r=0.6 -> max(1.2, 1.8) = 1.8
     assert float(pg) == pytest.approx((-1.1 + 1.8) / 2, rel=1e-5)
@@ -94,18 +117,34 @@ def test_categorical_logprob_and_entropy_match_numpy():
     np.testing.assert_allclose(entropy, -(probs * np.log(probs)).sum(-1), rtol=1e-5)
 
 
+def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
+    from cleanrl_utils.actors import ActorThread
+
+    thread = ActorThread(
+        index=0,
+        global_index=global_thread_index,
+        device=None,
+        learner_devices=[],
+        start_update=start_update,
+        envpool_threads=1,
+        stop_event=None,
+        queue_timeout=1.0,
+    )
+    return thread.env_seed(seed, local_num_envs)
+
+
 def test_env_seed_ranges_are_disjoint_across_processes_and_threads_and_seeds():
     local_num_envs, threads = 64, 4 * 8  # 4 processes with 8 actor threads each
     for seed in [1, 2]:
-        starts = [ppo.actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]
-        assert starts == [ppo.actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]  # reproducible
+        starts = [actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]
+        assert starts == [actor_env_seed(seed, 0, g, local_num_envs) for g in range(threads)]  # reproducible
         ranges = sorted((s, s + local_num_envs) for s in starts)
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ranges, ranges[1:]))
         assert ranges[-1][1] < 2**31  # envpool takes an int32 seed
-    run1 = {ppo.actor_env_seed(1, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
-    run2 = {ppo.actor_env_seed(2, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    run1 = {actor_env_seed(1, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    run2 = {actor_env_seed(2, 0, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
     assert not run1 & run2  # seeds 1 and 2 share no environment
-    resumed = {ppo.actor_env_seed(1, 100, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
+    resumed = {actor_env_seed(1, 100, g, local_num_envs) + i for g in range(threads) for i in range(local_num_envs)}
     assert not run1 & resumed  # a run resumed at update 100 does not replay its first episodes
 
 
@@ -123,14 +162,13 @@ def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
     assert "XLA_FLAGS" not in os.environ
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_loop():
+def test_learner_update_is_the_same_on_one_and_on_two_devices():
     """Data parallelism must not change the math: the same global batch, one minibatch, gives the same params on one
-    and on two devices. The learner loop must not either: scan and python give the same update, also over
-    several epochs and minibatches."""
+    and on two devices; several epochs and minibatches on two devices update the params too."""
+    import optax
+    from flax.training.train_state import TrainState
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    from flax.training.train_state import TrainState
-    import optax
 
     assert len(jax.devices()) >= 2, "conftest arranges 4 host devices"
     T, N, obs_dim = 8, 4, 3
@@ -149,21 +187,32 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_lo
     agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
-    def update(num_devices, learner_loop, num_minibatches=1, update_epochs=1):
-        args = ppo.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
-                        learner_device_ids=list(range(num_devices)), num_minibatches=num_minibatches,
-                        update_epochs=update_epochs, norm_adv=False, learner_loop=learner_loop)
+    def update(num_devices, num_minibatches=1, update_epochs=1):
+        args = ppo.Args(
+            env_id="CartPole-v1",
+            num_steps=T,
+            local_num_envs=N,
+            num_actor_threads=1,
+            learner_device_ids=list(range(num_devices)),
+            num_minibatches=num_minibatches,
+            update_epochs=update_epochs,
+            norm_adv=False,
+        )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
-        state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+        # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
+        tx = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+        state = TrainState.create(apply_fn=None, params=params, tx=tx)
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = ppo.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics, key = ppo.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
-        assert "losses/policy_loss" in metrics
-        return jax.device_get((state.params, metrics, jax.random.key_data(key)))
+        state, metrics = ppo.make_learner_fns(args, agent, mesh)(
+            ppo.LearnerState(state, jax.random.key(1)), global_storage
+        )
+        assert "losses/policy_loss" in metrics and float(metrics["charts/learning_rate"]) == np.float32(0.1)
+        return jax.device_get((state.agent.params, metrics, jax.random.key_data(state.key)))
 
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
-    one_device = update(1, "python")
-    same(one_device, update(2, "python"))
-    same(one_device, update(2, "scan"))
-    same(update(2, "python", num_minibatches=2, update_epochs=2), update(2, "scan", num_minibatches=2, update_epochs=2))
-    assert not np.allclose(jax.tree.leaves(one_device[0])[0], jax.tree.leaves(params)[0])  # it did update
+    one_device = update(1)
+    same(one_device, update(2))
+    several = update(2, num_minibatches=2, update_epochs=2)
+    for updated in (one_device, several):  # it did update
+        assert not np.allclose(jax.tree.leaves(updated[0])[0], jax.tree.leaves(params)[0])

@@ -5,6 +5,8 @@ the cheap checks call the script's main() in this process, the others run it as 
 """
 
 import os
+import dataclasses
+import inspect
 import re
 import shutil
 import signal
@@ -15,21 +17,61 @@ import typing
 from pathlib import Path
 
 import pytest
+from conftest import (
+    IMPALA_SCRIPT,
+    MUJOCO_SCRIPT,
+    MUZERO_SCRIPT,
+    PPO_SCRIPT,
+    R2D2_SCRIPT,
+    SAC_SCRIPT,
+    finish_processes,
+    load_script,
+    read_scalars,
+    script_command,
+    script_env,
+    start_processes,
+    wait_for_line,
+)
 
-from cleanrl_utils.flags import UsageError, run_cli, settable_flags
-from conftest import (IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, load_script, read_scalars, script_command, script_env,
-                      finish_processes, start_processes, wait_for_line)
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import settable_flags
 
 # 1 actor thread x 4 envs x 32 steps = 128 steps per update
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "32", "--hiddens", "16",
-            "--num-actor-threads", "1", "--log-frequency", "1"]
+CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "32",
+    "--hiddens",
+    "16",
+    "--num-actor-threads",
+    "1",
+    "--log-frequency",
+    "1",
+]
 DISTRIBUTED = [*CARTPOLE, "--actor-device-ids", "0", "--learner-device-ids", "1"]
-SCRIPTS = {"ppo": PPO_SCRIPT, "impala": IMPALA_SCRIPT, "mujoco": MUJOCO_SCRIPT, "sac": SAC_SCRIPT, "r2d2": R2D2_SCRIPT, "muzero": MUZERO_SCRIPT}
+SCRIPTS = {
+    "ppo": PPO_SCRIPT,
+    "impala": IMPALA_SCRIPT,
+    "mujoco": MUJOCO_SCRIPT,
+    "sac": SAC_SCRIPT,
+    "r2d2": R2D2_SCRIPT,
+    "muzero": MUZERO_SCRIPT,
+}
 
 
 def start(flags, cwd, run_name="run", fault=None):
-    return subprocess.Popen(script_command(flags, run_name, fault=fault), cwd=cwd, env=script_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        script_command(flags, run_name, fault=fault),
+        cwd=cwd,
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run(flags, cwd, run_name="run", fault=None, timeout=180):
@@ -57,13 +99,14 @@ def bad_values(value):
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_numeric_flag_has_a_checked_range_in_its_help_line(name):
     script = load_script(SCRIPTS[name])
-    source = SCRIPTS[name].read_text()
+    # the script's own flags and those of the shared dataclasses it extends (cleanrl_utils/flags.py)
+    source = "".join(inspect.getsource(cls) for cls in script.Args.__mro__ if dataclasses.is_dataclass(cls))
     hints = typing.get_type_hints(script.Args)
     for flag_name, value in settable_flags(script.Args()).items():
         hint = str(hints[flag_name])
         if not any(kind in hint for kind in ("int", "float")) or isinstance(value, bool):
             continue
-        help_line = re.search(rf'\n    {flag_name}: [^\n]*\n    """(.*?)"""', source, re.S).group(1)
+        help_line = " ".join(re.search(rf'\n    {flag_name}: [^\n]*\n    """(.*?)"""', source, re.S).group(1).split())
         assert re.search(r"positive|non-negative|in \[|in \(", help_line), f"{flag_name}: help names no range"
         refused = []
         for bad in bad_values(value if value is not None else 1):
@@ -82,10 +125,18 @@ def test_a_live_runs_folder_is_locked(tmp_path, monkeypatch, capsys):
     """A second run with the same --run-name stops at once with one line; the first (here a process holding the
     lock as a live run does) is untouched."""
     (tmp_path / "runs" / "twin").mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open('runs/twin/.lock', 'a+'); "
-                               "fcntl.flock(f, fcntl.LOCK_EX); f.write('process 1 on host\\n'); f.flush(); "
-                               "print('locked', flush=True); time.sleep(60)"], cwd=tmp_path, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, sys, time; f = open('runs/twin/.lock', 'a+'); "
+            "fcntl.flock(f, fcntl.LOCK_EX); f.write('process 1 on host\\n'); f.flush(); "
+            "print('locked', flush=True); time.sleep(60)",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         ppo = load_script()
@@ -94,8 +145,10 @@ def test_a_live_runs_folder_is_locked(tmp_path, monkeypatch, capsys):
             run_cli(ppo.main, ppo.Args, [*CARTPOLE, "--run-name", "twin"])
         assert exit_info.value.code == 2
         errors = error_lines(capsys.readouterr().err)
-        assert errors == ["error: --run-name: runs/twin is in use by a live run (process 1 on host); wait for it to "
-                          "end or choose another --run-name"], errors
+        assert errors == [
+            "error: --run-name: runs/twin is in use by a live run (process 1 on host); wait for it to "
+            "end or choose another --run-name"
+        ], errors
     finally:
         holder.kill()
         holder.communicate()
@@ -188,21 +241,37 @@ def test_a_full_disk_at_the_first_checkpoint_is_one_line_saying_none_is_complete
     first write fails in every one of orbax's writer threads, and the run still prints one line."""
     folder = tmp_path / "small_disk"
     folder.mkdir()
-    command = script_command([*CARTPOLE, "--total-timesteps", "384", "--checkpoint-frequency", "1",
-                              "--checkpoint-dir", str(folder)], "run")
-    in_namespace = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-                    f'mount -t tmpfs -o size=16k tmpfs "{folder}" && exec "$@"', "sh", *command]
+    command = script_command(
+        [*CARTPOLE, "--total-timesteps", "384", "--checkpoint-frequency", "1", "--checkpoint-dir", str(folder)], "run"
+    )
+    in_namespace = [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size=16k tmpfs "{folder}" && exec "$@"',
+        "sh",
+        *command,
+    ]
     process = subprocess.run(in_namespace, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=120)
     assert process.returncode == 1, process.stderr[-3000:]
-    assert process.stderr.strip() == (f"error: cannot write checkpoint 1 into {folder}: No space left on device; no "
-                                      "checkpoint of this run is complete yet"), process.stderr[-3000:]
+    assert process.stderr.strip() == (
+        f"error: cannot write checkpoint 1 into {folder}: No space left on device; no "
+        "checkpoint of this run is complete yet"
+    ), process.stderr[-3000:]
 
 
 def test_a_read_only_working_directory_is_one_line(tmp_path):
     read_only = tmp_path / "read_only"
     read_only.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
-                             capture_output=True).returncode == 0  # root: a read-only file system
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], capture_output=True
+        ).returncode
+        == 0
+    )  # root: a read-only file system
     if not mounted:
         read_only.chmod(0o555)  # others: a folder they may not write
     try:
@@ -221,8 +290,10 @@ def test_a_read_only_working_directory_is_one_line(tmp_path):
 
 
 def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_state(tmp_path):
-    returncode, out, err = run([*CARTPOLE, "--total-timesteps", "640", "--learning-rate", "1e30", "--max-grad-norm",
-                                "1e30", "--save-model"], tmp_path)
+    returncode, out, err = run(
+        [*CARTPOLE, "--total-timesteps", "640", "--learning-rate", "1e30", "--max-grad-norm", "1e30", "--save-model"],
+        tmp_path,
+    )
     assert returncode == 1, err
     errors = error_lines(err)
     assert len(errors) == 1 and errors[0].startswith("error: update 1 diverged"), err
@@ -236,14 +307,23 @@ def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_stat
 
 def test_processes_that_disagree_on_a_flag_stop_within_60_seconds(tmp_path):
     started = time.time()
-    results = finish_processes(start_processes([*DISTRIBUTED, "--total-timesteps", "1280"], tmp_path, 2,
-                                               process_args=[["--hiddens", "16"], ["--hiddens", "32"]]), timeout=120)
+    results = finish_processes(
+        start_processes(
+            [*DISTRIBUTED, "--total-timesteps", "1280"],
+            tmp_path,
+            2,
+            process_args=[["--hiddens", "16"], ["--hiddens", "32"]],
+        ),
+        timeout=120,
+    )
     seconds = time.time() - started
     print(f"flag mismatch: both processes exited {seconds:.1f}s after they started")
     for returncode, out, err in results:
         assert returncode == 2, err
-        assert error_lines(err) == ["error: the processes disagree on --hiddens: process 0 has [16], process 1 has "
-                                    "[32]; every process of a run needs the same value"], err
+        assert error_lines(err) == [
+            "error: the processes disagree on --hiddens: process 0 has [16], process 1 has "
+            "[32]; every process of a run needs the same value"
+        ], err
         assert "update=" not in out
     assert seconds < 60
 
@@ -252,16 +332,19 @@ def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp
     """Only process 1 of one run, only process 0 of another: each waits --heartbeat-timeout seconds, then one line."""
     flags = [*DISTRIBUTED, "--total-timesteps", "1280", "--heartbeat-timeout", "5"]
     started = time.time()
-    alone = [*start_processes(flags, tmp_path, 2, run_name="a", process_ids=[1]),
-             *start_processes(flags, tmp_path, 2, run_name="b", process_ids=[0])]
+    alone = [
+        *start_processes(flags, tmp_path, 2, run_name="a", process_ids=[1]),
+        *start_processes(flags, tmp_path, 2, run_name="b", process_ids=[0]),
+    ]
     results = finish_processes(alone, timeout=120)
     seconds = time.time() - started
     print(f"missing peer: both exited {seconds:.1f}s after they started (--heartbeat-timeout 5)")
-    for returncode, out, err in results:
+    for returncode, _, err in results:
         assert returncode == 1, err
         errors = error_lines(err)
         assert len(errors) == 1 and errors[0].startswith(
-            "error: --distributed: not every process arrived within --heartbeat-timeout 5s"), err
+            "error: --distributed: not every process arrived within --heartbeat-timeout 5s"
+        ), err
         assert "Check failure" not in err
     assert seconds < 60
 
@@ -340,33 +423,26 @@ def test_the_event_rewrite_rolls_forward_from_any_crash(tmp_path, crash, monkeyp
 
 
 def test_run_folder_lock_name_and_atomic_write(tmp_path, monkeypatch):
-    from dataclasses import dataclass
-
-    from cleanrl_utils.run_folder import RunFolder, atomic_write
-
-    @dataclass
-    class Flags:
-        run_name: str | None = None
-        checkpoint_dir: str | None = None
+    from cleanrl_utils.files import RunFolder, atomic_write, default_run_name
 
     monkeypatch.chdir(tmp_path)
-    first = RunFolder(Flags(), is_main_process=True, default_name="CartPole-v1__ppo__1")
-    assert re.fullmatch(r"runs/CartPole-v1__ppo__1__\d+", f"runs/{(tmp_path / 'runs').iterdir().__next__().name}")
-    mine = RunFolder(Flags("mine", "shared"), is_main_process=True, default_name="x")
-    with pytest.raises(UsageError, match=r"^--checkpoint-dir: shared is in use by a live run \(process \d+ on "):
-        RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x")
-    mine.release()
-    RunFolder(Flags("other", "shared"), is_main_process=True, default_name="x").release()  # free again
+    assert re.fullmatch(r"CartPole-v1__ppo__1__\d+", default_run_name("CartPole-v1", "ppo", 1))
+    assert default_run_name("gfootball/academy_empty_goal_close-v1", "ppo", 1).startswith(
+        "gfootball-academy_empty_goal_close-v1__ppo__1__"
+    )
     with pytest.raises(UsageError, match="--run-name must be one folder name"):
-        RunFolder(Flags("runs/a"), is_main_process=True, default_name="x")
-    football = RunFolder(Flags(), is_main_process=True, default_name="gfootball/academy_empty_goal_close-v1__ppo__1")
-    assert [p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("gfootball")][0].startswith(
-        "gfootball-academy_empty_goal_close-v1__ppo__1__")
-    football.release()
+        default_run_name("CartPole-v1", "a b", 1)
+    first = RunFolder("first", None, is_main_process=True)
+    mine = RunFolder("mine", "shared", is_main_process=True)
+    with pytest.raises(UsageError, match=r"^--checkpoint-dir: shared is in use by a live run \(process \d+ on "):
+        RunFolder("other", "shared", is_main_process=True)
+    with pytest.raises(UsageError, match=r"^--run-name: runs/first is in use by a live run"):
+        RunFolder("first", None, is_main_process=True)
+    mine.release()
+    RunFolder("other", "shared", is_main_process=True).release()  # free again
     first.release()
     atomic_write("model", b"whole")
-    assert (tmp_path / "model").read_bytes() == b"whole" and sorted(os.listdir(tmp_path)) == ["model", "runs",
-                                                                                                "shared"]
+    assert (tmp_path / "model").read_bytes() == b"whole" and sorted(os.listdir(tmp_path)) == ["model", "runs", "shared"]
 
 
 def test_all_finite_and_the_divergence_line():
@@ -382,4 +458,5 @@ def test_all_finite_and_the_divergence_line():
     assert copied["w"] is not state["w"] and jnp.array_equal(copied["w"], state["w"])
     assert str(Diverged(7, {"losses/loss": float("nan"), "losses/entropy": 0.5})) == (
         "update 7 diverged (a loss term or the learner's state is NaN or infinite): loss=nan, entropy=0.5; the last "
-        "finite state is checkpoint 6; try lower learning rates (or a gradient clip, where the script has one)")
+        "finite state is checkpoint 6; try lower learning rates (or a gradient clip, where the script has one)"
+    )

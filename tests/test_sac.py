@@ -9,26 +9,66 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from conftest import (
+    SAC_SCRIPT,
+    assert_resumes_on_other_layouts,
+    finish_processes,
+    load_script,
+    resumes_on_other_layouts,
+    run_script,
+    same_seed_and_resumed_runs,
+    start_processes,
+    start_script,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from conftest import (SAC_SCRIPT, assert_resumes_on_other_layouts, finish_processes, load_script,
-                      resumes_on_other_layouts, run_script, same_seed_and_resumed_runs, start_processes,
-                      start_script)
 
 sac = load_script(SAC_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
 # tiny Pendulum settings: 1 actor thread x 4 envs x 8 steps = 32 env steps per update, 16-unit MLPs
-TINY = ["--env-id", "Pendulum-v1", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "8",
-        "--hiddens", "16", "--minibatch-size", "16", "--buffer-size", "512", "--learning-starts", "64",
-        "--replay-ratio", "0.25", "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
+TINY = [
+    "--env-id",
+    "Pendulum-v1",
+    "--local-num-envs",
+    "4",
+    "--num-actor-threads",
+    "1",
+    "--num-steps",
+    "8",
+    "--hiddens",
+    "16",
+    "--minibatch-size",
+    "16",
+    "--buffer-size",
+    "512",
+    "--learning-starts",
+    "64",
+    "--replay-ratio",
+    "0.25",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "--log-frequency",
+    "1",
+]
 
 
 def args_for(num_learner_devices: int, **flags) -> "sac.Args":
-    args = sac.Args(**{"env_id": "Pendulum-v1", "local_num_envs": 4, "num_actor_threads": 1, "num_steps": 8,
-                       "hiddens": [16], "minibatch_size": 8, "buffer_size": 48,
-                       "learner_device_ids": list(range(num_learner_devices)), **flags})
+    args = sac.Args(
+        **{
+            "env_id": "Pendulum-v1",
+            "local_num_envs": 4,
+            "num_actor_threads": 1,
+            "num_steps": 8,
+            "hiddens": [16],
+            "minibatch_size": 8,
+            "buffer_size": 48,
+            "learner_device_ids": list(range(num_learner_devices)),
+            **flags,
+        }
+    )
     args.batch_size = args.local_num_envs * args.num_steps  # what set_runtime_values derives for one process
     args.gradient_steps = 2
     return args
@@ -41,27 +81,35 @@ def test_squashed_gaussian_logprob_is_the_change_of_variables():
     rng = np.random.default_rng(0)
     # |u| below about 6: the float64 reference log(1 - tanh(u)^2) keeps its precision there
     mean, log_std, noise = np.clip(rng.normal(size=(3, 64, 3)), -3, 3) * np.array([1.0, 0.3, 1.0])[:, None, None]
-    actions, logprobs = sac.squashed_gaussian_sample(jnp.asarray(mean, jnp.float32), jnp.asarray(log_std, jnp.float32),
-                                                     jnp.asarray(noise, jnp.float32))
+    actions, logprobs = sac.squashed_gaussian_sample(
+        jnp.asarray(mean, jnp.float32), jnp.asarray(log_std, jnp.float32), jnp.asarray(noise, jnp.float32)
+    )
     # reference in float64: u ~ N(mean, std), a = tanh(u), log p(a) = log N(u) - log |da/du| per dimension (scipy)
     u = mean + np.exp(log_std) * noise
-    expected = (scipy.stats.norm.logpdf(u, mean, np.exp(log_std)) - np.log1p(-np.tanh(u) ** 2)).sum(-1)
+    expected = (scipy.stats.norm.logpdf(u, mean, np.exp(log_std)) - np.log1p(-(np.tanh(u) ** 2))).sum(-1)
     np.testing.assert_allclose(actions, np.tanh(u), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(logprobs, expected, rtol=1e-4, atol=1e-3)
     # and it is a density on (-1, 1): it integrates to 1 (one dimension, the noise recovered from a = tanh(u))
     a = np.linspace(-1, 1, 400_001)[1:-1]
     for m, s in [(0.3, 0.5), (-1.0, 0.1), (2.0, 1.0)]:
-        _, density = sac.squashed_gaussian_sample(jnp.float32(m), jnp.float32(np.log(s)),
-                                                  jnp.asarray((np.arctanh(a) - m) / s, jnp.float32)[:, None])
+        _, density = sac.squashed_gaussian_sample(
+            jnp.float32(m), jnp.float32(np.log(s)), jnp.asarray((np.arctanh(a) - m) / s, jnp.float32)[:, None]
+        )
         assert abs(np.trapezoid(np.exp(np.asarray(density, np.float64)), a) - 1) < 2e-3
 
 
 def test_soft_bellman_target_on_a_hand_checked_batch():
     # 0: an ordinary step; 1: a termination (no bootstrap); 2: a time-limit truncation: the stored row is an ordinary
     # transition to the true last observation, so it bootstraps like 0 (its termination flag is 0)
-    targets = sac.soft_bellman_target(rewards=jnp.array([1.0, 2.0, 3.0]), terminations=jnp.array([0.0, 1.0, 0.0]),
-                                      next_q1=jnp.array([10.0, 10.0, 5.0]), next_q2=jnp.array([8.0, 12.0, 6.0]),
-                                      next_logprobs=jnp.array([-1.0, -1.0, 2.0]), alpha=0.5, gamma=0.9)
+    targets = sac.soft_bellman_target(
+        rewards=jnp.array([1.0, 2.0, 3.0]),
+        terminations=jnp.array([0.0, 1.0, 0.0]),
+        next_q1=jnp.array([10.0, 10.0, 5.0]),
+        next_q2=jnp.array([8.0, 12.0, 6.0]),
+        next_logprobs=jnp.array([-1.0, -1.0, 2.0]),
+        alpha=0.5,
+        gamma=0.9,
+    )
     np.testing.assert_allclose(targets, [1 + 0.9 * (8 + 0.5), 2.0, 3 + 0.9 * (5 - 1.0)], rtol=1e-6)
 
 
@@ -76,15 +124,32 @@ def test_temperature_grows_below_the_target_entropy_and_shrinks_above(log_std_bi
     actor_params["params"]["Dense_1"]["bias"] = jnp.full_like(actor_params["params"]["Dense_1"]["bias"], log_std_bias)
     actor_params["params"]["Dense_1"]["kernel"] = jnp.zeros_like(actor_params["params"]["Dense_1"]["kernel"])
     rng = np.random.default_rng(1)
-    batch = sac.Rollout(obs=jnp.asarray(rng.normal(size=(32, 3)), jnp.float32), actions=jnp.zeros((32, 1)),
-                        rewards=jnp.zeros(32), terminations=jnp.zeros(32), valid=jnp.ones(32, bool))
+    batch = sac.Rollout(
+        obs=jnp.asarray(rng.normal(size=(32, 3)), jnp.float32),
+        actions=jnp.zeros((32, 1)),
+        rewards=jnp.zeros(32),
+        terminations=jnp.zeros(32),
+        valid=jnp.ones(32, bool),
+    )
     noise = jnp.asarray(rng.normal(size=(32, 1)), jnp.float32)
 
     def temperature_loss(log_alpha):
-        return sac.sac_losses(actor_params, state.critic.params, log_alpha, agent=agent, batch=batch,
-                              next_obs=batch.obs, target_critic_params=state.critic.params, noise=noise,
-                              next_noise=noise, weights=jnp.ones(32), normalizer=32.0, gamma=0.99, target_entropy=-1.0,
-                              autotune=True)[1]["losses/alpha_loss"]
+        return sac.sac_losses(
+            actor_params,
+            state.critic.params,
+            log_alpha,
+            agent=agent,
+            batch=batch,
+            next_obs=batch.obs,
+            target_critic_params=state.critic.params,
+            noise=noise,
+            next_noise=noise,
+            weights=jnp.ones(32),
+            normalizer=32.0,
+            gamma=0.99,
+            target_entropy=-1.0,
+            autotune=True,
+        )[1]["losses/alpha_loss"]
 
     gradient = jax.grad(temperature_loss)(jnp.float32(0.0))
     assert (gradient < 0) == alpha_grows, gradient  # gradient descent: alpha grows where the gradient is negative
@@ -95,8 +160,10 @@ def test_temperature_grows_below_the_target_entropy_and_shrinks_above(log_std_bi
 
 def shard_rows(replay, device_index: int) -> dict:
     """One learner device's replay shard (envs, time) as NumPy arrays."""
-    return {name: np.asarray(getattr(replay.experience, name).addressable_shards[device_index].data)
-            for name in sac.Rollout._fields}
+    return {
+        name: np.asarray(getattr(replay.experience, name).addressable_shards[device_index].data)
+        for name in sac.Rollout._fields
+    }
 
 
 def test_replay_keeps_each_devices_envs_wraps_around_and_samples_consecutive_rows():
@@ -104,17 +171,22 @@ def test_replay_keeps_each_devices_envs_wraps_around_and_samples_consecutive_row
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     agent, agent_state = sac.make_agent(args, jax.random.key(0))
     learner = sac.make_learner_fns(args, agent, mesh)
-    agent_state = sac.replicate(agent_state, mesh)
-    replay, key = learner.init_replay(), jax.random.key(0)
+    state = sac.LearnerState(sac.replicate(agent_state, mesh), learner.init_replay(), jax.random.key(0))
     T, N = args.num_steps, args.local_num_envs
     for rollout_index in range(2):  # 16 rows per env into 12: the first 4 are overwritten
         t = rollout_index * T + np.arange(T)[:, None]
         # obs encode (env, time): 100 x env + time
-        rollout = sac.Rollout(obs=np.broadcast_to((100.0 * np.arange(N) + t)[..., None], (T, N, 3)).astype(np.float32),
-                              actions=np.zeros((T, N, 1), np.float32), rewards=(t + 0.0 * np.arange(N)).astype(np.float32),
-                              terminations=np.zeros((T, N), np.float32), valid=np.ones((T, N), bool))
+        rollout = sac.Rollout(
+            obs=np.broadcast_to((100.0 * np.arange(N) + t)[..., None], (T, N, 3)).astype(np.float32),
+            actions=np.zeros((T, N, 1), np.float32),
+            rewards=(t + 0.0 * np.arange(N)).astype(np.float32),
+            terminations=np.zeros((T, N), np.float32),
+            valid=np.ones((T, N), bool),
+        )
         storage = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "batch"))), rollout)
-        agent_state, replay, _, key = learner.update(agent_state, replay, storage, key, False)
+        state, metrics = learner.update(state, storage, False)
+        assert metrics == {"stats/gradient_steps": 0}  # no gradient steps before learning starts
+    replay = state.replay
     assert int(replay.current_index) == 16 - 12 and bool(replay.is_full)
     for device in range(2):
         rows = shard_rows(replay, device)["obs"][..., 0]  # (2 envs, 12 rows)
@@ -135,6 +207,11 @@ def test_replay_keeps_each_devices_envs_wraps_around_and_samples_consecutive_row
         first, second = np.asarray(pairs.first.obs[:, 0]), np.asarray(pairs.second.obs[:, 0])
         np.testing.assert_array_equal(second, first + 1)
         assert set(first // 100) <= {0, 1} and (first % 100 >= 4).all() and (first % 100 <= 14).all()
+    # a learning update (last: it donates the replay): --replay-ratio x batch gradient steps, and the next key
+    key = state.key
+    state, metrics = learner.update(state, storage, True)
+    assert metrics["stats/gradient_steps"] == args.gradient_steps == 2 and np.isfinite(metrics["losses/qf_loss"])
+    assert not np.array_equal(jax.random.key_data(state.key), jax.random.key_data(key))
 
 
 def test_gradient_step_is_the_same_on_one_and_on_two_devices():
@@ -143,12 +220,17 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
     rng = np.random.default_rng(0)
     n = 16
     minibatch = sac.Minibatch(
-        transitions=sac.Rollout(obs=rng.normal(size=(n, 3)).astype(np.float32),
-                                actions=rng.uniform(-1, 1, size=(n, 1)).astype(np.float32),
-                                rewards=rng.normal(size=n).astype(np.float32),
-                                terminations=(rng.random(n) < 0.3).astype(np.float32), valid=rng.random(n) < 0.8),
-        next_obs=rng.normal(size=(n, 3)).astype(np.float32), noise=rng.normal(size=(n, 1)).astype(np.float32),
-        next_noise=rng.normal(size=(n, 1)).astype(np.float32))
+        transitions=sac.Rollout(
+            obs=rng.normal(size=(n, 3)).astype(np.float32),
+            actions=rng.uniform(-1, 1, size=(n, 1)).astype(np.float32),
+            rewards=rng.normal(size=n).astype(np.float32),
+            terminations=(rng.random(n) < 0.3).astype(np.float32),
+            valid=rng.random(n) < 0.8,
+        ),
+        next_obs=rng.normal(size=(n, 3)).astype(np.float32),
+        noise=rng.normal(size=(n, 1)).astype(np.float32),
+        next_noise=rng.normal(size=(n, 1)).astype(np.float32),
+    )
     results = []
     for num_devices in [1, 2]:
         args = args_for(num_devices, policy_lr=1e-2, q_lr=1e-2)  # Adam moves each param by about lr per step
@@ -156,7 +238,7 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
         agent, state = sac.make_agent(args, jax.random.key(0))
         learner = sac.make_learner_fns(args, agent, mesh)
         state = sac.replicate(state, mesh)
-        global_minibatch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("batch"))), minibatch)
+        global_minibatch = jax.device_put(minibatch, NamedSharding(mesh, P("batch")))
         for _ in range(2):
             state, metrics = learner.gradient_step(state, global_minibatch)
         results.append(jax.device_get((state, metrics)))
@@ -166,8 +248,10 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # params, targets, Adam states, temperature, metrics
     initial = jax.device_get(sac.make_agent(args, jax.random.key(0))[1])
     for part in ["actor", "critic"]:  # it did learn, by far more than the tolerance
-        change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(getattr(one, part).params),
-                                                          jax.tree.leaves(getattr(initial, part).params)))
+        change = max(
+            np.abs(a - b).max()
+            for a, b in zip(jax.tree.leaves(getattr(one, part).params), jax.tree.leaves(getattr(initial, part).params))
+        )
         assert change > 1e-3, (part, change)
     assert one.log_alpha.params["log_alpha"] != 0
 
@@ -193,9 +277,13 @@ def runs(tmp_path_factory):
     """Shared by the tests below, started a few at a time (they are small): two same-seed runs and a run stopped by
     SIGTERM, then two resumes of its checkpoint (tiny Pendulum settings, updates of 32 env steps), then a
     two-process dm_control run."""
-    result = same_seed_and_resumed_runs(tmp_path_factory, "sac", start,
-                                        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],
-                                        long=[*TINY, "--total-timesteps", "384", "--seed", "3"])  # 12 updates
+    result = same_seed_and_resumed_runs(
+        tmp_path_factory,
+        "sac",
+        start,
+        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],
+        long=[*TINY, "--total-timesteps", "384", "--seed", "3"],
+    )  # 12 updates
     workdir = tmp_path_factory.mktemp("sac_two")
     # dm_control (dict observations) here, with the saved model evaluated by process 0
     dm_control = [*TINY[2:], "--env-id", "CheetahRun-v1", "--save-model", "--eval-episodes", "1"]
@@ -247,17 +335,34 @@ def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
     assert_resumes_on_other_layouts(runs, DIGESTS)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--buffer-size", "100", "--minibatch-size", "256"], "--buffer-size (100) must be at least --minibatch-size"),
-    (["--replay-ratio", "0"], "--replay-ratio must be positive"),
-    (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (256) must be a positive whole"),
-    (["--env-id", "CartPole-v1"], "--env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of "
-                                  "MuJoCo (gym) (HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control"),
-    (["--env-options", "frame_skip=2"], "--env-options 'frame_skip=2' is not KEY=VALUE with a KEY of Pendulum-v1's"),
-    (["--minibatch-size", "255", "--learner-device-ids", "0", "1"], "--minibatch-size (255) must be divisible"),
-    (["--buffer-size", "200", "--minibatch-size", "8"], "--buffer-size (200) must hold at least --num-steps (32)"),
-], ids=["buffer-below-batch", "ratio-zero", "ratio-fraction", "discrete", "env-option", "minibatch-devices",
-        "buffer-below-rollout"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--buffer-size", "100", "--minibatch-size", "256"], "--buffer-size (100) must be at least --minibatch-size"),
+        (["--replay-ratio", "0"], "--replay-ratio must be positive"),
+        (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (256) must be a positive whole"),
+        (
+            ["--env-id", "CartPole-v1"],
+            "--env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of "
+            "MuJoCo (gym) (HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control",
+        ),
+        (
+            ["--env-options", "frame_skip=2"],
+            "--env-options 'frame_skip=2' is not KEY=VALUE with a KEY of Pendulum-v1's",
+        ),
+        (["--minibatch-size", "255", "--learner-device-ids", "0", "1"], "--minibatch-size (255) must be divisible"),
+        (["--buffer-size", "200", "--minibatch-size", "8"], "--buffer-size (200) must hold at least --num-steps (32)"),
+    ],
+    ids=[
+        "buffer-below-batch",
+        "ratio-zero",
+        "ratio-fraction",
+        "discrete",
+        "env-option",
+        "minibatch-devices",
+        "buffer-below-rollout",
+    ],
+)
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         sac.run_cli(sac.main, sac.Args, ["--env-id", "Pendulum-v1", *flags])
@@ -269,9 +374,32 @@ def test_pendulum_reaches_minus_250(workdir):
     """Pendulum-v1 from random actions (-1200 to -1400 over the first episodes, measured in the same run) to an
     average return of at least -250 (the issue's bar). CPU settings: 64x64 MLPs, replay ratio 0.5, 1024 steps of
     random actions; 12288 env steps (it reaches about -150 at 10k steps)."""
-    run = run_script(["--env-id", "Pendulum-v1", "--hiddens", "64", "64", "--replay-ratio", "0.5", "--learning-starts",
-                      "1024", "--total-timesteps", "12288", "--log-frequency", "8", "--checkpoint-frequency", "0",
-                      "--actor-device-ids", "0", "--learner-device-ids", "1"], workdir, script=SAC_SCRIPT, timeout=400)
+    run = run_script(
+        [
+            "--env-id",
+            "Pendulum-v1",
+            "--hiddens",
+            "64",
+            "64",
+            "--replay-ratio",
+            "0.5",
+            "--learning-starts",
+            "1024",
+            "--total-timesteps",
+            "12288",
+            "--log-frequency",
+            "8",
+            "--checkpoint-frequency",
+            "0",
+            "--actor-device-ids",
+            "0",
+            "--learner-device-ids",
+            "1",
+        ],
+        workdir,
+        script=SAC_SCRIPT,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     returns = run.scalars()["charts/avg_episodic_return"]
     random_policy = returns[0][1]

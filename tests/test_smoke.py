@@ -5,15 +5,29 @@ import json
 import flax
 import numpy as np
 import pytest
-
 from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, TINY_BREAKOUT, TINY_BREAKOUT_PPO, load_script, run_script
 
 TAGS = [
-    "charts/SPS", "charts/avg_episodic_return", "charts/avg_episodic_length", "charts/learning_rate",
-    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl", "losses/loss",
-    "stats/params_queue_get_time", "stats/rollout_time", "stats/inference_time", "stats/env_step_time",
-    "stats/storage_time", "stats/rollout_queue_put_time", "stats/rollout_queue_get_time", "stats/training_time",
-    "stats/actor_policy_version", "stats/learner_policy_version", "stats/peak_rss_mib",
+    "charts/SPS",
+    "charts/avg_episodic_return",
+    "charts/avg_episodic_length",
+    "charts/learning_rate",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/approx_kl",
+    "losses/loss",
+    "stats/params_queue_get_time",
+    "stats/rollout_time",
+    "stats/inference_time",
+    "stats/env_step_time",
+    "stats/storage_time",
+    "stats/rollout_queue_put_time",
+    "stats/rollout_queue_get_time",
+    "stats/training_time",
+    "stats/actor_policy_version",
+    "stats/learner_policy_version",
+    "stats/peak_rss_mib",
 ]
 
 
@@ -23,21 +37,43 @@ def versions(scalars):
     return actor, learner
 
 
-LAYOUTS = [("ppo", ["0"], ["0"]), ("ppo", ["0"], ["1"]), ("ppo", ["0"], ["1", "2"]),
-           ("impala", ["0"], ["0"]), ("impala", ["0"], ["1", "2"])]
+LAYOUTS = [
+    ("ppo", ["0"], ["0"]),
+    ("ppo", ["0"], ["1"]),
+    ("ppo", ["0"], ["1", "2"]),
+    ("impala", ["0"], ["0"]),
+    ("impala", ["0"], ["1", "2"]),
+]
 
 
-@pytest.mark.parametrize("algorithm,actor_ids,learner_ids", LAYOUTS,
-                         ids=[f"{a}-a{','.join(x)}-l{','.join(y)}" for a, x, y in LAYOUTS])
+@pytest.mark.parametrize(
+    "algorithm,actor_ids,learner_ids", LAYOUTS, ids=[f"{a}-a{','.join(x)}-l{','.join(y)}" for a, x, y in LAYOUTS]
+)
 def test_layouts_log_every_tag_and_act_one_version_behind(workdir, algorithm, actor_ids, learner_ids):
     script, tiny = (PPO_SCRIPT, TINY_BREAKOUT_PPO) if algorithm == "ppo" else (IMPALA_SCRIPT, TINY_BREAKOUT)
     # 4 envs x 8 steps x 2 threads = 64 steps per update; 6 updates
-    run = run_script([*tiny, "--num-actor-threads", "2", "--actor-device-ids", *actor_ids,
-                      "--learner-device-ids", *learner_ids, "--total-timesteps", "384"], workdir, script=script)
+    run = run_script(
+        [
+            *tiny,
+            "--num-actor-threads",
+            "2",
+            "--actor-device-ids",
+            *actor_ids,
+            "--learner-device-ids",
+            *learner_ids,
+            "--total-timesteps",
+            "384",
+        ],
+        workdir,
+        script=script,
+    )
     assert run.returncode == 0, run.stderr
     scalars = run.scalars()
-    missing = [tag for tag in TAGS if tag not in scalars and tag != "charts/avg_episodic_return"
-               and tag != "charts/avg_episodic_length"]
+    missing = [
+        tag
+        for tag in TAGS
+        if tag not in scalars and tag != "charts/avg_episodic_return" and tag != "charts/avg_episodic_length"
+    ]
     assert not missing, f"missing tags {missing}"
     steps = [step for step, _ in scalars["charts/SPS"]]
     assert steps == [64 * i for i in range(1, 7)]
@@ -52,8 +88,19 @@ def test_layouts_log_every_tag_and_act_one_version_behind(workdir, algorithm, ac
 
 
 def test_no_concurrency_acts_with_the_latest_policy(workdir):
-    run = run_script([*TINY_BREAKOUT_PPO, "--num-actor-threads", "2", "--learner-device-ids", "1", "--no-concurrency",
-                      "--total-timesteps", "320"], workdir)
+    run = run_script(
+        [
+            *TINY_BREAKOUT_PPO,
+            "--num-actor-threads",
+            "2",
+            "--learner-device-ids",
+            "1",
+            "--no-concurrency",
+            "--total-timesteps",
+            "320",
+        ],
+        workdir,
+    )
     assert run.returncode == 0, run.stderr
     actor, learner = versions(run.scalars())
     assert actor == learner == [0, 1, 2, 3, 4]
@@ -61,8 +108,23 @@ def test_no_concurrency_acts_with_the_latest_policy(workdir):
 
 def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
     # CartPole episodes are short, so the returns are checked against their definition: return == length
-    run = run_script(["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "64", "--num-actor-threads",
-                      "1", "--total-timesteps", "1024", "--hiddens", "8"], workdir)
+    run = run_script(
+        [
+            "--env-id",
+            "CartPole-v1",
+            "--local-num-envs",
+            "4",
+            "--num-steps",
+            "64",
+            "--num-actor-threads",
+            "1",
+            "--total-timesteps",
+            "1024",
+            "--hiddens",
+            "8",
+        ],
+        workdir,
+    )
     assert run.returncode == 0, run.stderr
     scalars = run.scalars()
     returns = [v for _, v in scalars["charts/avg_episodic_return"]]
@@ -72,8 +134,22 @@ def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
 
 def test_save_model_and_track_offline(workdir):
     # one evaluation game (Breakout: whole games, all lives) keeps the test short
-    run = run_script([*TINY_BREAKOUT_PPO, "--num-actor-threads", "1", "--total-timesteps", "64", "--save-model", "--track",
-                      "--exp-name", "tiny", "--eval-episodes", "1"], workdir)
+    run = run_script(
+        [
+            *TINY_BREAKOUT_PPO,
+            "--num-actor-threads",
+            "1",
+            "--total-timesteps",
+            "64",
+            "--save-model",
+            "--track",
+            "--exp-name",
+            "tiny",
+            "--eval-episodes",
+            "1",
+        ],
+        workdir,
+    )
     assert run.returncode == 0, run.stderr
     model = flax.serialization.msgpack_restore((run.run_dir / "tiny.cleanrl_model").read_bytes())
     saved_args = json.loads(model["args"])

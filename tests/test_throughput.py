@@ -6,27 +6,70 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, script_env
 
-TINY_CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8",
-                 "--num-actor-threads", "1", "--num-minibatches", "2", "--actor-device-ids", "0",
-                 "--learner-device-ids", "1"]
+TINY_CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-steps",
+    "16",
+    "--hiddens",
+    "8",
+    "--num-actor-threads",
+    "1",
+    "--num-minibatches",
+    "2",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+]
 
 
-# PPO's learner runs as one lax.scan program here (the GPU default), IMPALA's as the Python loop (the CPU default)
-@pytest.mark.parametrize("script,learner_loop", [(PPO_SCRIPT, "scan"), (IMPALA_SCRIPT, "auto")], ids=["ppo", "impala"])
-def test_stage_table_and_json(script, learner_loop, workdir):
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
+def test_stage_table_and_json(script, workdir):
     results_file = workdir / "results.jsonl"
     completed = subprocess.run(
         # the script as a relative path, as users give it (the full runs start in a temporary folder)
-        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--script", os.path.relpath(script, workdir),
-         "--repeats", "2", "--stage-rollouts", "1", "--full-repeats", "1", "--full-updates", "12", "--warmup-updates", "2",
-         "--json", str(results_file), "--", *TINY_CARTPOLE, "--learner-loop", learner_loop],
-        cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "benchmark" / "throughput.py"),
+            "--script",
+            os.path.relpath(script, workdir),
+            "--repeats",
+            "2",
+            "--stage-rollouts",
+            "1",
+            "--full-repeats",
+            "1",
+            "--full-updates",
+            "12",
+            "--warmup-updates",
+            "2",
+            "--json",
+            str(results_file),
+            "--",
+            *TINY_CARTPOLE,
+        ],
+        cwd=workdir,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr
-    for row in ["env (random actions)", "inference (actor device)", "learner (one update)", "actor thread alone",
-                "serial ceiling", "full script (steady state)", "overlapped ceiling", "peak RSS"]:
+    for row in [
+        "env (random actions)",
+        "inference (actor device)",
+        "learner (one update)",
+        "actor thread alone",
+        "serial ceiling",
+        "full script (steady state)",
+        "overlapped ceiling",
+        "peak RSS",
+    ]:
         assert row in completed.stdout
     results = json.loads(results_file.read_text())
     rates = {stage: results[stage]["median"] for stage in ["env", "inference", "learner", "actor", "full"]}
@@ -44,7 +87,12 @@ def test_stage_table_and_json(script, learner_loop, workdir):
 def test_bad_script_flags_fail_with_the_scripts_message(workdir):
     completed = subprocess.run(
         [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--", *TINY_CARTPOLE, "--num-minibatches", "3"],
-        cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=120)
+        cwd=workdir,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].startswith("error: --num-minibatches")
 
@@ -52,9 +100,26 @@ def test_bad_script_flags_fail_with_the_scripts_message(workdir):
 def test_env_ceiling_steps_every_pool_and_writes_json(workdir):
     results_file = workdir / "ceiling.jsonl"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "env_ceiling.py"), "--env-id", "CartPole-v1", "--num-envs", "4",
-         "--pools", "2", "--steps", "200", "--json", str(results_file)],
-        cwd=workdir, env=script_env(), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(REPO / "benchmark" / "env_ceiling.py"),
+            "--env-id",
+            "CartPole-v1",
+            "--num-envs",
+            "4",
+            "--pools",
+            "2",
+            "--steps",
+            "200",
+            "--json",
+            str(results_file),
+        ],
+        cwd=workdir,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(results_file.read_text())
     assert (result["env_id"], result["pools"], result["num_envs"], result["steps"]) == ("CartPole-v1", 2, 4, 200)
@@ -63,7 +128,13 @@ def test_env_ceiling_steps_every_pool_and_writes_json(workdir):
 
 
 def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
-    completed = subprocess.run(["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "curves"], cwd=REPO,
-                               env={**script_env(), "PY": sys.executable}, capture_output=True, text=True, timeout=60)
+    completed = subprocess.run(
+        ["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "curves"],
+        cwd=REPO,
+        env={**script_env(), "PY": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert completed.returncode == 2
     assert completed.stderr.strip() == "error: unknown section 'curves' (allowed: ceiling throughput curve)"

@@ -1,4 +1,5 @@
-"""cleanrl_utils alone: flags, queues and actor threads, checkpoints, preemption, device layout, logging."""
+"""cleanrl_utils alone: flags and the CLI entry, actor threads and queues, checkpoints, preemption, device layout,
+logging, stage timers and episode statistics."""
 
 import dataclasses
 import os
@@ -7,6 +8,7 @@ import signal
 import tempfile
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 
 import jax
@@ -14,15 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tyro
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars
 
 from cleanrl_utils import summary_writer
+from cleanrl_utils.actors import ActorFailed, ActorThread, ActorThreads, RunStopped, queue_get
 from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
-from cleanrl_utils.devices import device_layout, learner_loop, replicate
-from cleanrl_utils.flags import RunSetting, UsageError, check_flags, computation_flags, run_cli, settable_flags
-from cleanrl_utils.logger import RunLogger
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import device_layout, replicate
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import RunSetting, check_flags, computation_flags, settable_flags
+from cleanrl_utils.logger import ACTOR_STAGES, EpisodeStats, RunLogger, StageTimer
 from cleanrl_utils.preemption import Preemption
-from cleanrl_utils.queues import ActorFailed, ActorThreads, RunStopped, queue_get
-from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars
 
 RUNTIME_VALUES = ["local_batch_size", "batch_size", "num_updates", "world_size", "local_rank"]
 
@@ -58,7 +62,8 @@ def test_runtime_values_are_not_flags(script, capsys):
     assert not set(RUNTIME_VALUES) & flags.keys() and {"seed", "env_id", "learning_rate"} <= flags.keys()
     # where and how a run runs may change on resume; what it computes may not (declared on each flag)
     assert {"track", "learner_device_ids", "checkpoint_dir", "log_frequency"} <= flags.keys() - computation_flags(
-        module.Args()).keys()
+        module.Args()
+    ).keys()
     assert {"seed", "env_id", "learning_rate", "total_timesteps", "gamma"} <= computation_flags(module.Args()).keys()
 
 
@@ -70,13 +75,18 @@ def test_check_flags_names_the_flag_and_what_is_allowed():
         gamma: float = 0.5
         ids: list[int] = field(default_factory=lambda: [0])
 
-    cases = [({"n": 0}, "--n must be a positive integer, got 0"), ({"lr": float("nan")}, "--lr must be positive and finite"),
-             ({"lr": float("inf")}, "--lr must be positive and finite"), ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
-             ({"ids": [1, 1]}, "--ids must be one or more distinct device ids in [0, 63]")]
+    cases = [
+        ({"n": 0}, "--n must be a positive integer, got 0"),
+        ({"lr": float("nan")}, "--lr must be positive and finite"),
+        ({"lr": float("inf")}, "--lr must be positive and finite"),
+        ({"gamma": 1.5}, "--gamma must be in [0, 1]"),
+        ({"ids": [1, 1]}, "--ids must be one or more distinct device ids in [0, 63]"),
+    ]
     for values, message in cases:
         with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            check_flags(Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"],
-                        device_id_lists=["ids"])
+            check_flags(
+                Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"], device_id_lists=["ids"]
+            )
     check_flags(Flags(), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"], device_id_lists=["ids"])
 
 
@@ -89,6 +99,30 @@ def test_run_cli_turns_a_usage_error_into_one_line_and_exit_code_2(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "error: --hiddens must be one or more positive integers, got []\n"
     assert run_cli(lambda args: args.seed, TinyArgs, ["--seed", "5"]) == 5
+
+
+@dataclass
+class ChoiceArgs:
+    core: typing.Literal["lstm", "gru"] = "lstm"
+    """the recurrent core"""
+    n: int = 1
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--core", "rnn"], "invalid choice 'rnn' for argument '--core'. Expected one of ('lstm', 'gru')."),
+        (["--n", "x"], "Error parsing --n: invalid literal for int() with base 10: 'x'"),
+        (["--no-such-flag", "3"], "Unrecognized options: --no-such-flag, 3"),
+    ],
+    ids=["choice", "value", "unknown flag"],
+)
+def test_a_parse_error_is_one_line_and_exit_code_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda args: 0, ChoiceArgs, argv)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"error: {message} (see --help)\n"
+    assert run_cli(lambda args: args.core, ChoiceArgs, ["--core", "gru"]) == "gru"
 
 
 def test_queue_wait_ends_when_the_run_stops():
@@ -129,6 +163,21 @@ def test_a_thread_that_never_stops_is_named():
         release.set()
 
 
+def checkpoints_of(args) -> Checkpoints:
+    """What cleanrl_utils.run makes of the flags (tests/test_checkpoint.py uses it too)."""
+    return Checkpoints(
+        args.checkpoint_dir or f"runs/{args.run_name}/checkpoints", keep=args.checkpoint_keep, world_size=1
+    )
+
+
+def save_values(args, update: int = 1) -> dict:
+    return {"global_step": args.batch_size * update, "flags": settable_flags(args)}
+
+
+def restore_values(args) -> dict:
+    return {"batch_size": args.batch_size, "flags": computation_flags(args), "resume": args.resume}
+
+
 def make_state(seed: int):
     return {"params": {"w": jnp.arange(6.0).reshape(2, 3) * seed}, "key": jax.random.key(seed)}
 
@@ -136,13 +185,13 @@ def make_state(seed: int):
 def test_checkpoint_round_trip_with_keys_and_digests(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = TinyArgs()
-    checkpoints = Checkpoints(args, world_size=1)
+    checkpoints = Checkpoints("runs/run/checkpoints", keep=2, world_size=1)
     mesh = device_layout(dataclasses.replace(_layout_args(), learner_device_ids=[0])).mesh
     state = {"params": replicate(make_state(2)["params"], mesh), "key": jax.random.key(2)}
-    checkpoints.save(3, state, args, summary=f"params sha256={tree_digest(state['params'])}")
+    checkpoints.save(3, state, **save_values(args, 3), summary=f"params sha256={tree_digest(state['params'])}")
     assert (tmp_path / "runs/run/checkpoints/3").is_dir()
     template = {"params": replicate(make_state(0)["params"], mesh), "key": jax.random.key(0)}
-    restored, update = Checkpoints(args, world_size=1).restore(template, args, summary=lambda s: "ok")
+    restored, update = checkpoints_of(args).restore(template, **restore_values(args), summary=lambda s: "ok")
     assert update == 3 and tree_digest(restored["params"]) == tree_digest(state["params"])
     assert jax.random.key_data(restored["key"]).tolist() == jax.random.key_data(state["key"]).tolist()
     out = capsys.readouterr().out
@@ -151,33 +200,36 @@ def test_checkpoint_round_trip_with_keys_and_digests(tmp_path, monkeypatch, caps
 
     # a computation flag that differs is refused; a RunSetting flag may change
     with pytest.raises(CheckpointError, match=r"was made with --hiddens \[8\], this run has \[16\]"):
-        Checkpoints(args, 1).restore(template, dataclasses.replace(args, hiddens=[16]), summary=str)
-    Checkpoints(args, 1).restore(template, dataclasses.replace(args, track=True, log_frequency=7), summary=str)
+        checkpoints_of(args).restore(template, **restore_values(dataclasses.replace(args, hiddens=[16])), summary=str)
+    checkpoints_of(args).restore(
+        template, **restore_values(dataclasses.replace(args, track=True, log_frequency=7)), summary=str
+    )
     other_batch = dataclasses.replace(args)
     other_batch.batch_size = 8
     with pytest.raises(CheckpointError, match="was made with 4 steps per update, this run has 8"):
-        Checkpoints(args, 1).restore(template, other_batch, summary=str)
+        checkpoints_of(args).restore(template, **restore_values(other_batch), summary=str)
 
 
 def test_resume_without_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    state, update = Checkpoints(TinyArgs(), 1).restore({"x": np.zeros(2)}, TinyArgs(), summary=str)
+    state, update = checkpoints_of(TinyArgs()).restore({"x": np.zeros(2)}, **restore_values(TinyArgs()), summary=str)
     assert update == 0 and state["x"].tolist() == [0, 0]
     with pytest.raises(UsageError, match="^--resume: runs/run/checkpoints has no complete checkpoint$"):
-        Checkpoints(TinyArgs(), 1).restore({"x": np.zeros(2)}, dataclasses.replace(TinyArgs(), resume=True), summary=str)
+        checkpoints_of(TinyArgs()).restore(
+            {"x": np.zeros(2)}, **restore_values(dataclasses.replace(TinyArgs(), resume=True)), summary=str
+        )
 
 
 def test_a_flag_added_later_keeps_old_checkpoints_usable(tmp_path, monkeypatch):
     """Flags are declared once: a new RunSetting flag does not make older checkpoints refuse to resume."""
     monkeypatch.chdir(tmp_path)
-    checkpoints = Checkpoints(TinyArgs(), 1)
-    checkpoints.save(1, {"x": np.ones(2)}, TinyArgs(), summary="")
+    checkpoints_of(TinyArgs()).save(1, {"x": np.ones(2)}, **save_values(TinyArgs()), summary="")
 
     @dataclass
     class NewerArgs(TinyArgs):
         new_logging_option: RunSetting[int] = 5
 
-    state, update = Checkpoints(NewerArgs(), 1).restore({"x": np.zeros(2)}, NewerArgs(), summary=str)
+    state, update = checkpoints_of(NewerArgs()).restore({"x": np.zeros(2)}, **restore_values(NewerArgs()), summary=str)
     assert update == 1 and state["x"].tolist() == [1, 1]
 
 
@@ -215,27 +267,119 @@ def test_device_layout_and_out_of_range_ids():
         device_layout(dataclasses.replace(_layout_args(), learner_device_ids=[0, 7]))
 
 
-def test_learner_loop_auto_is_python_on_cpu_and_a_flag_overrides_it():
-    from types import SimpleNamespace
+def test_stage_timer_sums_each_stage_since_the_last_read(monkeypatch):
+    clock = iter([10.0, 10.5, 11.0, 11.25, 12.0, 14.0])
+    monkeypatch.setattr(time, "time", lambda: next(clock))
+    timer = StageTimer()
+    with timer("rollout_time"):  # 10.0 .. 14.0, around the two below
+        with timer("inference_time"):  # 10.5 .. 11.0
+            pass
+        with timer("inference_time"):  # 11.25 .. 12.0
+            pass
+    assert timer.read() == {**dict.fromkeys(ACTOR_STAGES, 0.0), "rollout_time": 4.0, "inference_time": 1.25}
+    assert timer.read() == dict.fromkeys(ACTOR_STAGES, 0.0)  # read starts again from 0
+    with pytest.raises(KeyError):  # a stage the logger does not know is an error at once
+        timer("inference")
 
-    cpu_mesh = device_layout(_layout_args()).mesh
-    assert learner_loop("auto", cpu_mesh) == "python"
-    assert learner_loop("scan", cpu_mesh) == "scan" and learner_loop("python", cpu_mesh) == "python"
-    gpu_mesh = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")]))  # as Mesh.devices holds them
-    assert learner_loop("auto", gpu_mesh) == "scan"
-    with pytest.raises(UsageError, match="--learner-loop must be one of auto, scan, python, got 'jit'"):
-        learner_loop("jit", cpu_mesh)
+
+def test_episode_stats_against_a_plain_loop():
+    """Unclipped returns of whole games (info["terminated"], info["reward"]), envpool's reset step not counted."""
+    rng = np.random.default_rng(0)
+    num_envs, steps = 3, 200
+    stats = EpisodeStats(num_envs)
+    expected_returns, expected_lengths = [np.nan] * num_envs, [np.nan] * num_envs
+    running_return, running_length = [0.0] * num_envs, [0] * num_envs
+    for _ in range(steps):
+        clipped, unclipped = rng.choice([-1.0, 1.0], num_envs), rng.normal(size=num_envs) * 10
+        life_lost, game_over, truncated = rng.random((3, num_envs)) < [[0.1], [0.05], [0.02]]
+        counted = rng.random(num_envs) < 0.9
+        stats.step(
+            clipped, life_lost | game_over, truncated, {"reward": unclipped, "terminated": game_over}, counted=counted
+        )
+        for env in range(num_envs):
+            running_return[env] += unclipped[env]
+            running_length[env] += int(counted[env])
+            if game_over[env] or truncated[env]:
+                expected_returns[env], expected_lengths[env] = running_return[env], running_length[env]
+                running_return[env], running_length[env] = 0.0, 0
+    read = stats.read()
+    np.testing.assert_allclose(read["returned_episode_returns"], expected_returns)
+    np.testing.assert_array_equal(read["returned_episode_lengths"], expected_lengths)
+    # without Atari's info keys: the env's own reward and ends
+    plain = EpisodeStats(1)
+    plain.step(np.array([2.0]), np.array([False]), np.array([False]), {}, counted=np.array([True]))
+    plain.step(np.array([3.0]), np.array([True]), np.array([False]), {}, counted=np.array([True]))
+    assert {name: values.tolist() for name, values in plain.read().items()} == {
+        "returned_episode_returns": [5.0],
+        "returned_episode_lengths": [2.0],
+    }
+
+
+def test_actor_thread_seeds_keys_and_splits_for_the_learner_devices():
+    devices = jax.devices()[:2]
+    thread = ActorThread(
+        index=1,
+        global_index=5,
+        device=devices[0],
+        learner_devices=devices,
+        start_update=0,
+        envpool_threads=1,
+        stop_event=threading.Event(),
+        queue_timeout=0.05,
+    )
+    assert thread.env_seed(1, num_envs=4) - ActorThread(**{**thread.__dict__, "global_index": 4}).env_seed(1, 4) == 4
+    assert thread.key(jax.random.key(0)).devices() == {devices[0]}
+    rollout = {"obs": np.arange(24).reshape(3, 4, 2), "bootstrap": np.arange(4)[None]}
+    parts = thread.split_for_learners(rollout)
+    assert [part["obs"].devices() for part in parts] == [{devices[0]}, {devices[1]}]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p["obs"]) for p in parts], axis=1), rollout["obs"])
+    thread.stop_event.set()
+    with pytest.raises(RunStopped):
+        thread.get(queue.Queue())
+    with pytest.raises(RunStopped):
+        thread.check_stopped()
 
 
 def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    logger = RunLogger(TinyArgs(), is_main_process=True, world_size=1, start_update=0)
-    stats = {"returned_episode_returns": np.array([1.0, np.nan]), "returned_episode_lengths": np.array([3.0, np.nan]),
-             **{name: 0.25 for name in ["params_queue_get_time", "rollout_time", "inference_time", "env_step_time",
-                                        "storage_time", "rollout_queue_put_time"]}}
+    logger = RunLogger(
+        "run",
+        config=dataclasses.asdict(TinyArgs()),
+        batch_size=4,
+        local_batch_size=4,
+        num_updates=3,
+        log_frequency=2,
+        wandb_project=None,
+        wandb_entity=None,
+        is_main_process=True,
+        world_size=1,
+        start_update=0,
+    )
+    stats = {
+        "returned_episode_returns": np.array([1.0, np.nan]),
+        "returned_episode_lengths": np.array([3.0, np.nan]),
+        **{
+            name: 0.25
+            for name in [
+                "params_queue_get_time",
+                "rollout_time",
+                "inference_time",
+                "env_step_time",
+                "storage_time",
+                "rollout_queue_put_time",
+            ]
+        },
+    }
     for update in [1, 2, 3]:
-        logger.log_update(update, {"losses/loss": float(update), "stats/actor_policy_version": update - 1,
-                                   "stats/learner_policy_version": update - 1}, [stats])
+        logger.log_update(
+            update,
+            {
+                "losses/loss": float(update),
+                "stats/actor_policy_version": update - 1,
+                "stats/learner_policy_version": update - 1,
+            },
+            [stats],
+        )
     logger.flush()  # on disk before a checkpoint would count
     scalars = read_scalars(tmp_path / "runs" / "run")
     assert [step for step, _ in scalars["losses/loss"]] == [4, 8, 12]  # global steps of updates 1..3
@@ -258,43 +402,54 @@ def event_file(path, steps: dict[int, dict]):
 
 
 # a second writer's event file, by where its name sorts among the run's own (events.out.tfevents.1000000100...)
-SECOND_WRITER = {"sorts first": "events.out.tfevents.0000000001.tool",
-                 "sorts between": "events.out.tfevents.1000000150.tool",
-                 "sorts last": "events.out.tfevents.9999999999.tool",  # after the next run's own file too
-                 "named like the rewrite": "events.out.tfevents.1000000100.host.1.0.rewrite1"}
+SECOND_WRITER = {
+    "sorts first": "events.out.tfevents.0000000001.tool",
+    "sorts between": "events.out.tfevents.1000000150.tool",
+    "sorts last": "events.out.tfevents.9999999999.tool",  # after the next run's own file too
+    "named like the rewrite": "events.out.tfevents.1000000100.host.1.0.rewrite1",
+}
 
 
 @pytest.mark.parametrize("generation", [1, 2])
 @pytest.mark.parametrize("second_writer", SECOND_WRITER)
-def test_a_kill_at_any_point_of_the_event_rewrite_keeps_every_files_steps_once(tmp_path, monkeypatch, second_writer,
-                                                                                 generation):
+def test_a_kill_at_any_point_of_the_event_rewrite_keeps_every_files_steps_once(
+    tmp_path, monkeypatch, second_writer, generation
+):
     """A resumed run rewrites its folder's event files (its own and a second writer's, which logged another tag at
     the same steps) and is killed at each file operation of the rewrite in turn, then at none; the next start
     (a new writer) keeps every file's values up to the checkpoint's step, each step of each tag once."""
+
     class Killed(BaseException):
         pass
 
     for kill_at in range(1, 100):
         folder = tmp_path / str(kill_at)
         folder.mkdir()
-        event_file(folder / "events.out.tfevents.1000000100.host.1.0",  # updates 1..7, checkpoint 6
-                   {step: {"losses/loss": step} for step in range(1, 8)})
-        event_file(folder / SECOND_WRITER[second_writer],  # steps 1..3, and losses/loss at step 2 again
-                   {1: {"eval/return": 1}, 2: {"eval/return": 2, "losses/loss": 200}, 3: {"eval/return": 3}})
+        event_file(
+            folder / "events.out.tfevents.1000000100.host.1.0",  # updates 1..7, checkpoint 6
+            {step: {"losses/loss": step} for step in range(1, 8)},
+        )
+        event_file(
+            folder / SECOND_WRITER[second_writer],  # steps 1..3, and losses/loss at step 2 again
+            {1: {"eval/return": 1}, 2: {"eval/return": 2, "losses/loss": 200}, 3: {"eval/return": 3}},
+        )
         resume_step = 6
         if generation == 2:  # resumed at 6 (the files rewritten once), updates 7..9, checkpoint 8
             summary_writer.rewrite_events(str(folder), resume_step)
-            event_file(folder / "events.out.tfevents.1000000200.host.2.0",
-                       {step: {"losses/loss": step} for step in range(7, 10)})
+            event_file(
+                folder / "events.out.tfevents.1000000200.host.2.0",
+                {step: {"losses/loss": step} for step in range(7, 10)},
+            )
             resume_step = 8
         operations = [0]
 
-        def killing(operation):
+        def killing(operation, operations=operations, kill_at=kill_at):
             def killed_at_the_kth_call(*args, **kwargs):
                 operations[0] += 1
                 if operations[0] == kill_at:
                     raise Killed
                 return operation(*args, **kwargs)
+
             return killed_at_the_kth_call
 
         with monkeypatch.context() as patch:
@@ -312,7 +467,46 @@ def test_a_kill_at_any_point_of_the_event_rewrite_keeps_every_files_steps_once(t
         newest_at_2 = 2 if second_writer == "sorts first" else 200
         assert read_scalars(folder) == {
             "losses/loss": [(step, newest_at_2 if step == 2 else step) for step in range(1, resume_step + 2)],
-            "eval/return": [(1, 1), (2, 2), (3, 3)]}, (kill_at, sorted(p.name for p in folder.iterdir()))
+            "eval/return": [(1, 1), (2, 2), (3, 3)],
+        }, (kill_at, sorted(p.name for p in folder.iterdir()))
         if not killed:
             break
     assert kill_at > 6  # the temporary file, the journal, the rename and each removal were crash points
+
+
+def test_library_modules_import_no_cycle_exit_only_in_the_cli_and_change_nothing_at_import():
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "cleanrl_utils"
+    modules = {path: ".".join(path.relative_to(package.parent).with_suffix("").parts) for path in package.rglob("*.py")}
+    imports = {}  # module -> the package's modules it imports at module level
+    for path, name in modules.items():
+        tree = ast.parse(path.read_text())
+        imports[name] = {
+            node.module
+            for node in tree.body
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
+        }
+        exits = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "_exit"]
+        assert not exits or name == "cleanrl_utils.cli", f"{name} calls os._exit at lines {exits}"
+
+    def visit(name, path):
+        assert name not in path, f"import cycle: {' -> '.join([*path, name])}"
+        for imported in imports.get(name, ()):
+            visit(imported, [*path, name])
+
+    for name in imports:
+        visit(name, [])
+    # importing every module changes no environment variable (the third-party libraries they import are loaded
+    # first: envpool sets a few of its own) and starts no JAX backend
+    code = (
+        "import os, envpool, gymnasium, numpy, tyro; before = dict(os.environ); import "
+        + ", ".join(sorted(modules.values()))
+        + "; assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items());"
+        " import jax._src.xla_bridge as xb; assert not xb._backends, xb._backends"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr

@@ -5,26 +5,34 @@
 
 The model file names the script that made it ("script"); the evaluator imports that script from cleanba/
 (or from --script) and uses its `make_env(env_id, seed, num_envs, render_mode[, env_options])` and
-`make_eval_policy(args, model, greedy)`, so it needs no code of its own for any algorithm. Returns are
+`make_eval_policy(args, model, greedy)`, so it needs no code of its own for any algorithm. The policy is called
+as `policy(obs, key) -> (actions, key)`; a policy with memory (a recurrent agent) is a `RecurrentPolicy`: it is
+also told after every step which envs' episodes ended. Returns are
 the real game's: unclipped rewards (info["reward"] if present) summed until game over (info["terminated"]
 if present, else terminated) or truncation.
 """
 
+import os
+
+if __name__ == "__main__":  # a VizDoom model: before numpy loads OpenBLAS (see cleanrl_utils.envs.FORK_SAFE_ENV)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from cleanrl_utils.envs import env_family
-from cleanrl_utils.flags import MAX_SEED, UsageError, check_flags
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import MAX_SEED, check_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +58,17 @@ class Args:
     needed when you trained with a copy of a script kept elsewhere"""
 
 
+@runtime_checkable
+class RecurrentPolicy(Protocol):
+    """An evaluation policy with memory (e.g. an LSTM's state per env). After each step `episodes_ended(ended)` gets
+    the envs whose episode ended at that step (terminated or truncated): envpool resets them on their next step,
+    after which the policy starts those envs' memory afresh."""
+
+    def __call__(self, obs, key): ...
+
+    def episodes_ended(self, ended: np.ndarray) -> None: ...
+
+
 class EvalError(UsageError):
     """Bad input: the CLI prints its message as one `error:` line and exits with code 2."""
 
@@ -65,8 +84,10 @@ def load_model(model_path: str | os.PathLike) -> dict:
     except Exception as error:  # msgpack raises several types for foreign bytes
         raise EvalError(f"--model-path {str(path)!r} is not a saved model ({type(error).__name__})") from None
     if not isinstance(model, dict) or not {"script", "args", "params"} <= model.keys():
-        raise EvalError(f"--model-path {str(path)!r} is not a saved model of a cleanba/ script "
-                        "(it needs the keys script, args and params)")
+        raise EvalError(
+            f"--model-path {str(path)!r} is not a saved model of a cleanba/ script "
+            "(it needs the keys script, args and params)"
+        )
     return model
 
 
@@ -80,8 +101,10 @@ def script_path(model: dict, script: str | os.PathLike | None = None) -> Path:
     name = model["script"]
     path = REPO / "cleanba" / f"{name}.py"
     if not (isinstance(name, str) and name.isidentifier() and path.is_file()):
-        raise EvalError(f"the model was made by script {name!r}, which is not in {REPO / 'cleanba'}: "
-                        "pass the script's file with --script")
+        raise EvalError(
+            f"the model was made by script {name!r}, which is not in {REPO / 'cleanba'}: "
+            "pass the script's file with --script"
+        )
     return path
 
 
@@ -95,8 +118,10 @@ def load_script(path: Path):
     spec.loader.exec_module(module)
     for name in ["Args", "make_env", "make_eval_policy"]:
         if not hasattr(module, name):
-            raise EvalError(f"script {str(path)!r} has no {name}: it does not follow the evaluation contract "
-                            "(make_env(env_id, seed, num_envs, render_mode), make_eval_policy(args, model, greedy))")
+            raise EvalError(
+                f"script {str(path)!r} has no {name}: it does not follow the evaluation contract "
+                "(make_env(env_id, seed, num_envs, render_mode), make_eval_policy(args, model, greedy))"
+            )
     return module
 
 
@@ -121,8 +146,9 @@ class VideoRecorder:
             self.paths.append(self.folder / f"eval-episode-{self.episode}.mp4")
             height, width = frame.shape[:2]
             # macro_block_size=2: keep the frame's own size (yuv420p only needs even sides)
-            self.writer = imageio_ffmpeg.write_frames(str(self.paths[-1]), (width, height), fps=self.fps,
-                                                      codec="libx264", macro_block_size=2)
+            self.writer = imageio_ffmpeg.write_frames(
+                str(self.paths[-1]), (width, height), fps=self.fps, codec="libx264", macro_block_size=2
+            )
             with warnings.catch_warnings():
                 # JAX warns at every fork; this one is subprocess's fork+exec of ffmpeg, which is safe
                 warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
@@ -163,8 +189,8 @@ def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder |
     while any(len(returns[i]) < quota[i] for i in range(num_envs)):
         actions, key = policy(obs, key)
         obs, reward, terminated, truncated, info = envs.step(np.asarray(actions))
-        if hasattr(policy, "end_episodes"):  # a recurrent policy zeroes its state after envpool's reset step
-            policy.end_episodes(np.logical_or(terminated, truncated))
+        if isinstance(policy, RecurrentPolicy):
+            policy.episodes_ended(np.logical_or(terminated, truncated))
         episode_returns += info.get("reward", reward)  # Atari: the unclipped score
         game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
         if recorder is not None and len(returns[0]) < quota[0]:
@@ -178,9 +204,17 @@ def run_episodes(envs, policy, num_episodes: int, key, recorder: VideoRecorder |
     return [returns[i][k] for k in range(max(quota)) for i in range(num_envs) if k < quota[i]]
 
 
-def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: bool = False, capture_video: bool = False,
-             video_folder: str | os.PathLike | None = None, num_envs: int = 8, seed: int | None = None,
-             script: str | os.PathLike | None = None, verbose: bool = True) -> list[float]:
+def evaluate(
+    model_path: str | os.PathLike,
+    eval_episodes: int = 10,
+    greedy: bool = False,
+    capture_video: bool = False,
+    video_folder: str | os.PathLike | None = None,
+    num_envs: int = 8,
+    seed: int | None = None,
+    script: str | os.PathLike | None = None,
+    verbose: bool = True,
+) -> list[float]:
     """Episodic returns of a saved model, in episode order (see run_episodes)."""
     import jax
 
@@ -195,8 +229,13 @@ def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: boo
     # a script copied from before --env-options has a make_env without them
     options = {"env_options": args.env_options} if getattr(args, "env_options", None) else {}
     num_envs = min(num_envs, eval_episodes)
-    envs = module.make_env(args.env_id, envpool_seed(seed, num_envs), num_envs,
-                           render_mode="rgb_array" if capture_video else None, **options)
+    envs = module.make_env(
+        args.env_id,
+        envpool_seed(seed, num_envs),
+        num_envs,
+        render_mode="rgb_array" if capture_video else None,
+        **options,
+    )
     policy = module.make_eval_policy(args, model, greedy)
     recorder = VideoRecorder(video_folder) if capture_video else None
     start = time.time()
@@ -204,31 +243,14 @@ def evaluate(model_path: str | os.PathLike, eval_episodes: int = 10, greedy: boo
     if verbose:
         for index, episodic_return in enumerate(returns):
             print(f"eval_episode={index} episodic_return={episodic_return:.2f}")
-        print(f"evaluated {model_path} ({'greedy' if greedy else 'sampled'} actions): {len(returns)} episodes, "
-              f"episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} in {time.time() - start:.1f}s", flush=True)
+        print(
+            f"evaluated {model_path} ({'greedy' if greedy else 'sampled'} actions): {len(returns)} episodes, "
+            f"episodic_return={np.mean(returns):.2f} +- {np.std(returns):.2f} in {time.time() - start:.1f}s",
+            flush=True,
+        )
         if recorder is not None:
             print(f"videos of env 0's episodes: {', '.join(map(str, recorder.paths))}", flush=True)
     return returns
-
-
-def log_eval_returns(run_dir: str | os.PathLike, returns: list[float], use_wandb: bool = False):
-    """eval/episodic_return of each evaluation episode (step = episode index, as in CleanRL), in a new
-    TensorBoard event file of the run, and in W&B if the run is tracked."""
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
-    writer = EventFileWriter(str(run_dir))
-    for index, episodic_return in enumerate(returns):
-        value = summary_pb2.Summary.Value(tag="eval/episodic_return", simple_value=float(episodic_return))
-        writer.add_event(event_pb2.Event(wall_time=time.time(), step=index, summary=summary_pb2.Summary(value=[value])))
-    writer.close()
-    if use_wandb:
-        import wandb
-
-        wandb.define_metric("eval/episode")
-        wandb.define_metric("eval/episodic_return", step_metric="eval/episode")
-        for index, episodic_return in enumerate(returns):
-            wandb.log({"eval/episode": index, "eval/episodic_return": episodic_return})
 
 
 # run in a child process: rendering without a usable OpenGL context (MuJoCo with MUJOCO_GL unset) kills the
@@ -250,58 +272,14 @@ def check_capture_video(script: str | os.PathLike, env_id: str):
     if probe.returncode != 0:
         lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
         reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
-        why = " (envpool's MuJoCo envs need an OpenGL context to render)" if env_family(env_id).startswith(
-            "envpool.mujoco") else ""  # other families that fail (Football) have no renderer in envpool at all
-        raise UsageError(f"--capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video"
-                         f"{why}")
-
-
-def check_save_model_flags(args, script: str | os.PathLike):
-    """A training script's --capture-video and --upload-model act on the model saved at the end: check now, not
-    after training (UsageError), that --save-model is on, a Hub token exists and env 0 can be rendered."""
-    from cleanrl_utils.huggingface import check_token
-
-    for name in ["capture_video", "upload_model"]:
-        if getattr(args, name) and not args.save_model:
-            raise UsageError(f"--{name.replace('_', '-')} works on the model saved at the end of training: add "
-                             "--save-model")
-    if args.upload_model:
-        check_token()
-    if args.capture_video:
-        check_capture_video(script, args.env_id)
-
-
-def save_model(args, script: str | os.PathLike, contents: dict) -> str:
-    """--save-model: runs/{run_name}/{exp_name}.cleanrl_model, msgpack of the script's name (the evaluator imports
-    it), its flags and `contents` (params, and whatever else its make_eval_policy reads)."""
-    import flax.serialization
-
-    from cleanrl_utils.run_folder import atomic_write
-
-    model_path = f"runs/{args.run_name}/{args.exp_name}.cleanrl_model"
-    atomic_write(model_path, flax.serialization.msgpack_serialize(  # whole or absent, never half a model
-        {"script": Path(script).stem, "args": json.dumps(dataclasses.asdict(args)), **contents}))
-    print(f"model saved to {model_path}", flush=True)
-    return model_path
-
-
-def save_evaluate_upload(args, script: str | os.PathLike, contents: dict) -> bool:
-    """--save-model at the end of a training script: save, evaluate, record videos, upload (False: upload failed)."""
-    return evaluate_and_upload(args, save_model(args, script, contents), script)
-
-
-def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> bool:
-    """What a training script's --save-model does after saving: evaluate the model as `python -m
-    cleanrl_utils.evals.evaluate` does, log eval/episodic_return, record videos, upload. False if the upload failed
-    (the files stay on disk)."""
-    from cleanrl_utils.huggingface import push_to_hub
-
-    video_folder = f"videos/{args.run_name}"
-    episodic_returns = evaluate(model_path, args.eval_episodes, args.eval_greedy, args.capture_video, video_folder,
-                                script=script)
-    log_eval_returns(f"runs/{args.run_name}", episodic_returns, use_wandb=args.track)
-    return not args.upload_model or push_to_hub(args, episodic_returns, model_path, script, video_folder,
-                                                greedy=args.eval_greedy)
+        why = (
+            " (envpool's MuJoCo envs need an OpenGL context to render)"
+            if env_family(env_id).startswith("envpool.mujoco")
+            else ""
+        )  # other families that fail (Football) have no renderer in envpool at all
+        raise UsageError(
+            f"--capture-video: {env_id} cannot be rendered here ({reason}); run without --capture-video{why}"
+        )
 
 
 def evaluate_saved_model(args: Args) -> list[float]:
@@ -309,12 +287,20 @@ def evaluate_saved_model(args: Args) -> list[float]:
     if args.capture_video:
         model = load_model(args.model_path)
         check_capture_video(script_path(model, args.script), json.loads(model["args"])["env_id"])
-    return evaluate(args.model_path, args.eval_episodes, args.greedy, args.capture_video, args.video_folder,
-                    args.num_envs, args.seed, args.script)
+    return evaluate(
+        args.model_path,
+        args.eval_episodes,
+        args.greedy,
+        args.capture_video,
+        args.video_folder,
+        args.num_envs,
+        args.seed,
+        args.script,
+    )
 
 
 def main(argv: list[str] | None = None) -> list[float]:
-    from cleanrl_utils.flags import run_cli
+    from cleanrl_utils.cli import run_cli
 
     return run_cli(evaluate_saved_model, Args, argv)
 

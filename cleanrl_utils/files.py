@@ -1,4 +1,4 @@
-"""The run's folder runs/{run_name}: its agreed name, the lock that keeps a second live run out, atomic writes.
+"""Files of a run: the lock that keeps a second live run out of its folders, and writes that are whole or absent.
 
 A run folder is used by one live run at a time: process 0 holds an exclusive `flock` on runs/{run_name}/.lock
 (and on --checkpoint-dir/.lock) while it runs; the kernel drops the lock when the process ends, however it ends,
@@ -10,21 +10,27 @@ import os
 import sys
 
 from cleanrl_utils.devices import agreed_time
-from cleanrl_utils.flags import UsageError, check_name, flag
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import check_name, flag
+
+
+def default_run_name(env_id: str, exp_name: str, seed: int) -> str:
+    """{env_id}__{exp_name}__{seed}__{process 0's unix time} (the same in every process), one folder name: Football's
+    ids hold a "/" (gfootball/...), written "-"."""
+    name = f"{env_id}__{exp_name}__{seed}".replace("/", "-") + f"__{agreed_time()}"
+    check_name(name, "run_name")  # it holds --env-id and --exp-name
+    return name
 
 
 class RunFolder:
-    def __init__(self, args, *, is_main_process: bool, default_name: str):
-        """Sets `args.run_name` (default: `default_name` with process 0's time, the same in every process), then
-        locks the run's folders (process 0; the others write only into the checkpoint folder process 0 locked)."""
-        if args.run_name is None:  # Football's ids hold a "/" (gfootball/...): one folder, so "-" for it
-            args.run_name = f"{default_name.replace('/', '-')}__{agreed_time()}"
-        check_name(args.run_name, "run_name")  # the default holds --env-id and --exp-name
+    def __init__(self, run_name: str, checkpoint_dir: str | None, *, is_main_process: bool):
+        """Locks runs/{run_name} and `checkpoint_dir` if given (process 0; the others write only into the checkpoint
+        folder process 0 locked)."""
         self.locks = []
         if is_main_process:
-            self._lock(f"runs/{args.run_name}", "run_name")
-            if args.checkpoint_dir:
-                self._lock(args.checkpoint_dir, "checkpoint_dir")
+            self._lock(f"runs/{run_name}", "run_name")
+            if checkpoint_dir:
+                self._lock(checkpoint_dir, "checkpoint_dir")
 
     def _lock(self, folder: str, name: str):
         os.makedirs(folder, exist_ok=True)
@@ -35,11 +41,17 @@ class RunFolder:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             lock.close()
-            raise UsageError(f"{flag(name)}: {folder} is in use by a live run ({holder}); wait for it to end or "
-                             f"choose another {flag(name)}") from None
+            raise UsageError(
+                f"{flag(name)}: {folder} is in use by a live run ({holder}); wait for it to end or "
+                f"choose another {flag(name)}"
+            ) from None
         except OSError as error:  # a file system without locks (some cluster mounts): run, but say so
-            print(f"warning: {folder} cannot be locked ({error.strerror}): make sure no other run uses "
-                  f"{flag(name)} {folder}", file=sys.stderr, flush=True)
+            print(
+                f"warning: {folder} cannot be locked ({error.strerror}): make sure no other run uses "
+                f"{flag(name)} {folder}",
+                file=sys.stderr,
+                flush=True,
+            )
             lock.close()
             return
         lock.truncate(0)

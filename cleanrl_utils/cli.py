@@ -1,0 +1,85 @@
+"""The CLI entry of every script (`run_cli`) and the only place a process exits.
+
+Library code raises typed errors (cleanrl_utils.errors); `run_cli` prints a `UsageError` as one `error:` line with
+exit code 2 (like argparse), a `RunError` or an `OSError` (disk full, permission denied) as one line with exit code 1,
+and a bad flag value or choice (tyro's parse errors) as one `error:` line with exit code 2 too. After jax.distributed
+has started, a failed process ends at once (`exit_process`): the interpreter's exit barrier would wait for peers that
+may still be training (they stop with their own error, or when their heartbeat times out).
+"""
+
+import contextlib
+import io
+import os
+import sys
+import traceback
+from typing import NoReturn
+
+import tyro
+
+from cleanrl_utils.errors import error_line, exit_code
+
+_process = {"distributed": False}
+
+
+def distributed_started() -> bool:
+    """Whether this process joined a jax.distributed run (cleanrl_utils.devices starts it)."""
+    return _process["distributed"]
+
+
+def mark_distributed(started: bool):
+    _process["distributed"] = started
+
+
+def exit_process(code: int, line: str | None = None) -> NoReturn:
+    """End the process now, without the interpreter's shutdown (a jax.distributed run's exit barrier would wait for
+    peers): prints `error: {line}` first. Also called by a watchdog thread (devices.start_distributed's timeout)."""
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def parse_flags(args_class, argv: list[str] | None = None):
+    """tyro's parse, with a parse error (a bad value, an unknown flag or choice) as one `error:` line, exit code 2;
+    `--help` prints tyro's help as usual."""
+    output = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(output), contextlib.redirect_stdout(output):
+            args = tyro.cli(args_class, args=argv, console_outputs=False)
+    except SystemExit as parse_exit:
+        if parse_exit.code == 0:  # --help: printed this time
+            return tyro.cli(args_class, args=argv)
+        with contextlib.redirect_stderr(output), contextlib.redirect_stdout(output), contextlib.suppress(SystemExit):
+            tyro.cli(args_class, args=argv)  # the error's text, held
+        print(f"error: {tyro_error_message(output.getvalue())}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.stderr.write(output.getvalue())  # e.g. warnings
+    return args
+
+
+def tyro_error_message(box: str) -> str:
+    """The message of a tyro error box (as printed without a terminal: a title, a rule, the message, a rule, ...)."""
+    lines = [line.strip() for line in box.splitlines()]
+    rules = [i for i, line in enumerate(lines) if line and set(line) <= set("-─")]
+    if len(rules) < 2:
+        return " ".join(line for line in lines if line) or "bad flags (see --help)"
+    message = " ".join(line for line in lines[rules[0] + 1 : rules[1]] if line)
+    return f"{message} (see --help)"
+
+
+def run_cli(main, args_class, argv: list[str] | None = None):
+    """Parse the flags with tyro and return `main(args)` (an exit code); typed errors become one line (see above)."""
+    args = parse_flags(args_class, argv)
+    try:
+        return main(args)
+    except BaseException as error:
+        line = error_line(error)
+        if distributed_started():
+            if line is None:
+                traceback.print_exc()
+            exit_process(exit_code(error), line)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        sys.exit(exit_code(error))

@@ -1,0 +1,267 @@
+"""One run of a Sebulba script: everything about it that is not the algorithm, behind one object.
+
+A script's `main` is the Sebulba protocol; each line of bookkeeping is one call of its `SebulbaRun`:
+
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder (locked), checkpoint folder, signals
+    state = run.restore(state, state_summary)             # the newest checkpoint of --run-name, or `state` as it is
+    run.start_actor(rollout, thread, ...)                  # for thread in run.actor_threads: supervised threads
+    run.broadcast(params_queues, params, version)          # one copy of the params per actor device, to every thread
+    with run.supervise():                                  # an actor's failure is raised here, with its traceback
+        for update in run.updates():                       # until --total-timesteps, or a signal (SIGTERM, Ctrl-C)
+            rollouts = run.get_rollouts(rollout_queues)    # every thread's rollout of this update
+            state, metrics = run.learn(update, learner_update, state, ...)  # NaN or inf: stops (Diverged)
+            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+    return run.finish(state, saved_model)                  # final checkpoint and digests, --save-model, exit code
+
+The learner state is a NamedTuple with the fields `agent` (params and optimizer state), `key` and, in a replay
+script, `replay`: it is what a checkpoint holds. Its `agent` is checked for NaN and infinity after every update;
+the update donates its input buffers, so `learn` keeps a copy of the state it starts from (all but the replay, which
+holds env data only) and checkpoints that last finite state, with the replay as it is, when an update diverges.
+With several processes every process calls these methods in the same order (checkpoints and digests are collective).
+"""
+
+import dataclasses
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import numpy as np
+
+from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_get, queue_put
+from cleanrl_utils.checkpoints import Checkpoints
+from cleanrl_utils.cli import distributed_started
+from cleanrl_utils.devices import copies_for_devices, device_layout, envpool_num_threads, shutdown
+from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+from cleanrl_utils.files import RunFolder, default_run_name
+from cleanrl_utils.flags import computation_flags, derive_batch_values, settable_flags
+from cleanrl_utils.logger import RunLogger
+from cleanrl_utils.preemption import Preemption
+from cleanrl_utils.saved_model import save_evaluate_upload
+
+
+class Rollouts(NamedTuple):
+    """What the learner got from its actor threads for one update."""
+
+    storages: list  # per actor thread: its rollout, one part per local learner device
+    actor_policy_version: int  # the params version every thread acted with
+    actor_stats: list  # per actor thread: its stage times and episode statistics
+
+
+class SebulbaRun:
+    def __init__(self, args, script: str, set_runtime_values: Callable | None = None):
+        """Starts the run: JAX's devices (and jax.distributed), the values derived from the flags (the batch, then
+        `set_runtime_values(args, layout)`, the script's own), the run folder and its lock, the checkpoint folder,
+        the seeds of Python's and NumPy's global generators, and the SIGTERM / Ctrl-C handlers."""
+        if args.exp_name is None:
+            args.exp_name = os.path.basename(script)[: -len(".py")]
+        self.args, self.script = args, script
+        self.layout = layout = device_layout(args)  # jax.distributed, host devices, the mesh over every process
+        self.mesh, self.actor_devices = layout.mesh, layout.actor_devices
+        derive_batch_values(
+            args,
+            world_size=layout.world_size,
+            local_rank=layout.local_rank,
+            num_actor_devices=len(layout.actor_devices),
+        )
+        if set_runtime_values is not None:
+            set_runtime_values(args, layout)
+        if args.run_name is None:
+            args.run_name = default_run_name(args.env_id, args.exp_name, args.seed)
+        self.folder = RunFolder(args.run_name, args.checkpoint_dir, is_main_process=layout.is_main_process)
+        random.seed(args.seed)
+        np.random.seed(args.seed)
+        self.checkpoints = Checkpoints(
+            args.checkpoint_dir or f"runs/{args.run_name}/checkpoints",
+            keep=args.checkpoint_keep,
+            world_size=layout.world_size,
+        )
+        self.stop_event = threading.Event()  # set by whoever stops the run; every queue wait sees it
+        self.preemption = Preemption(layout.world_size, self.stop_event)  # stop after an update, checkpoint
+        self.actors = ActorThreads(self.stop_event)
+        self.start_update = self.update = 0  # the update the run starts after, and the last one done
+        self.summary, self.logger, self._actor_threads = None, None, None
+        self.rollout_queue_get_time = self.training_time = 0.0
+
+    # ------------------------------------------------------------ the learner's state
+
+    def restore(self, state, summary: Callable[[object], str]):
+        """The newest complete checkpoint of the run, in the shapes (and on the devices) of `state`, or `state`
+        itself when there is none. `summary(state)`: the state's digests, printed with every checkpoint."""
+        args = self.args
+        self.summary = summary
+        state, self.start_update = self.checkpoints.restore(
+            state, batch_size=args.batch_size, flags=computation_flags(args), resume=args.resume, summary=summary
+        )
+        self.update = self.start_update
+        self.logger = RunLogger(
+            args.run_name,
+            config=dataclasses.asdict(args),
+            batch_size=args.batch_size,
+            local_batch_size=args.local_batch_size,
+            num_updates=args.num_updates,
+            log_frequency=args.log_frequency,
+            wandb_project=args.wandb_project_name if args.track else None,
+            wandb_entity=args.wandb_entity,
+            is_main_process=self.layout.is_main_process,
+            world_size=self.layout.world_size,
+            start_update=self.start_update,
+        )
+        return state
+
+    def save(self, update: int, state):
+        self.checkpoints.save(
+            update,
+            state,
+            global_step=update * self.args.batch_size,
+            flags=settable_flags(self.args),
+            summary=self.summary(state),
+        )
+
+    # ------------------------------------------------------------ the actor threads
+
+    @property
+    def actor_threads(self) -> list[ActorThread]:
+        """This process's actor threads, `--num-actor-threads` per actor device (after `restore`: they start there)."""
+        if self._actor_threads is None:
+            args, layout = self.args, self.layout
+            num_threads = len(layout.actor_devices) * args.num_actor_threads
+            envpool_threads = envpool_num_threads(args.envpool_threads, num_threads)
+            self._actor_threads = [
+                ActorThread(
+                    index=index,
+                    global_index=layout.local_rank * num_threads + index,
+                    device=layout.actor_devices[index // args.num_actor_threads],
+                    learner_devices=layout.learner_devices,
+                    start_update=self.start_update,
+                    envpool_threads=envpool_threads,
+                    stop_event=self.stop_event,
+                    queue_timeout=args.queue_timeout,
+                )
+                for index in range(num_threads)
+            ]
+        return self._actor_threads
+
+    def start_actor(self, target: Callable, thread: ActorThread, **kwargs):
+        """`target(thread=thread, **kwargs)` in a daemon thread; its failure stops the run (raised by `supervise`)."""
+        self.actors.start(target, name=f"actor-{thread.index}", thread=thread, **kwargs)
+
+    def broadcast(self, params_queues: list, params, version: int):
+        """`(params, version)` to every actor thread: one copy per actor device, shared by its threads."""
+        params_per_device = copies_for_devices(params, self.actor_devices)
+        for params_queue, thread in zip(params_queues, self.actor_threads):
+            queue_put(
+                params_queue, (params_per_device[thread.device], version), self.stop_event, self.args.queue_timeout
+            )
+
+    # ------------------------------------------------------------ the learner loop
+
+    @contextmanager
+    def supervise(self):
+        """Around the learner loop: a stop by signal ends the loop quietly (the final checkpoint follows), an actor's
+        failure is raised here with its traceback, and every actor thread is stopped on the way out. With
+        jax.distributed, a failure leaves the threads to the CLI entry, which ends the process at once (a peer may
+        wait in a collective; joining threads would only delay its own stop)."""
+        failed = False
+        try:
+            try:
+                yield
+            except RunStopped:
+                self.actors.check()  # an actor failed: raise its error; otherwise a signal stopped the run
+                if not self.preemption.received:
+                    raise
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if failed and distributed_started():
+                self.stop_event.set()
+                self.logger.close()
+            else:
+                stuck = self.actors.stop()
+                self.logger.close()
+                if stuck:
+                    print(
+                        f"warning: actor threads {stuck} did not stop within {self.actors.join_timeout:.0f}s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+    def updates(self):
+        """The updates after the one the run starts at, to --total-timesteps; a signal (SIGTERM, Ctrl-C) ends them after
+        an update that every process agrees on."""
+        for update in range(self.start_update + 1, self.args.num_updates + 1):
+            if self.preemption.requested():
+                return
+            yield update
+
+    def get_rollouts(self, rollout_queues: list) -> Rollouts:
+        """Every actor thread's `(rollout, actor_policy_version, stats)` of this update."""
+        start = time.time()
+        storages, versions, stats = zip(
+            *(queue_get(q, self.stop_event, self.args.queue_timeout) for q in rollout_queues)
+        )
+        assert len(set(versions)) == 1, f"actor threads out of step: versions {versions}"
+        self.rollout_queue_get_time = time.time() - start
+        return Rollouts(list(storages), versions[0], list(stats))
+
+    def learn(self, update: int, learner_update: Callable, state, *inputs):
+        """`learner_update(state, *inputs) -> (state, metrics)`, waited for. A NaN or an infinity in its metrics or in
+        the new `state.agent` stops the run: the last finite state is checkpointed (as update - 1) and `Diverged`
+        raised, never a wrong model trained on or saved. An actor thread's failure is raised here too."""
+        import jax
+
+        start = time.time()
+        replay = getattr(state, "replay", None)  # env data, always finite, and large: not copied
+        last_finite = copy_state(state if replay is None else state._replace(replay=None))
+        state, metrics = learner_update(state, *inputs)
+        metrics = jax.device_get(metrics)  # waits for the update
+        self.training_time = time.time() - start
+        if not all_finite(metrics, state.agent):
+            if replay is not None:  # the replay as it is now (it holds this update's rollout too)
+                last_finite = last_finite._replace(replay=state.replay)
+            self.save(update - 1, last_finite)
+            raise Diverged(update, metrics)
+        self.actors.check()
+        self.update = update
+        return state, metrics
+
+    def end_update(self, update: int, state, metrics: dict, rollouts: Rollouts):
+        """The update's scalars to TensorBoard (and the console), then its checkpoint, every --checkpoint-frequency."""
+        scalars = {
+            **metrics,
+            "stats/actor_policy_version": rollouts.actor_policy_version,
+            "stats/learner_policy_version": update - 1,  # the version the gradient was taken at
+            "stats/rollout_queue_get_time": self.rollout_queue_get_time,
+            "stats/training_time": self.training_time,
+        }
+        if "stats/gradient_steps" in metrics:  # a replay learner's gradient steps of this update
+            scalars["stats/gradient_steps_per_second"] = metrics["stats/gradient_steps"] / self.training_time
+        self.logger.log_update(update, scalars, rollouts.actor_stats)
+        if self.args.checkpoint_frequency and update % self.args.checkpoint_frequency == 0:
+            self.save(update, state)
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self, state, saved_model: Callable[[object], dict]) -> int:
+        """The end of a run, stopped or complete: the final checkpoint, every process's digests, with --save-model
+        (process 0, a complete run only) `saved_model(state)` saved, evaluated and uploaded; the exit code."""
+        args, layout = self.args, self.layout
+        self.preemption.requested()  # once more: a signal that reached any process in the last update counts too
+        self.save(self.update, state)
+        self.checkpoints.close()
+        # every process prints this: equal digests show that all learner replicas hold the same state
+        print(f"process {layout.local_rank}: final {self.summary(state)}", flush=True)
+        self.preemption.report(self.update, args.run_name)
+        upload_succeeded = True
+        if args.save_model and layout.is_main_process and not self.preemption.stop_signal:
+            upload_succeeded = save_evaluate_upload(args, self.script, saved_model(state))
+        self.logger.finish()
+        self.folder.release()
+        shutdown()  # jax.distributed
+        # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
+        return self.preemption.exit_code or (0 if upload_succeeded else 1)
