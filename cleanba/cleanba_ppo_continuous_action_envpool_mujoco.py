@@ -21,16 +21,13 @@ observation and reward normalization with running statistics that belong to the 
 with the params to the actors, the learner updates them from every rollout (merged over all learner devices).
 """
 
-import os
 import queue
-import random
 import sys
-import threading
-import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -39,64 +36,25 @@ import numpy as np
 import optax
 from flax.serialization import to_state_dict
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from cleanrl_utils.checkpoints import Checkpoints, tree_digest
-from cleanrl_utils.devices import (DeviceLayout, copies_for_devices, device_layout, envpool_num_threads, learner_loop,
-                                   local_value, replicate, shutdown)
-from cleanrl_utils.divergence import Diverged, all_finite, copy_state
+from cleanrl_utils.actors import ActorThread
+from cleanrl_utils.checkpoints import tree_digest
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
-from cleanrl_utils.evals.evaluate import check_save_model_flags, save_evaluate_upload
-from cleanrl_utils.flags import RunSetting, UsageError, check_flags, check_int32_counts, check_run_flags, run_cli
-from cleanrl_utils.logger import RunLogger
-from cleanrl_utils.preemption import Preemption
-from cleanrl_utils.queues import ActorThreads, RunStopped, queue_get, queue_put
-from cleanrl_utils.run_folder import RunFolder
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.run import SebulbaRun
+from cleanrl_utils.saved_model import check_save_model_flags
 
 warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
 
 
 @dataclass
-class Args:
-    # RunSetting[...]: where and how the run runs, not what it computes; a resumed run may change these flags
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (in [0, 2**32 - 1])"""
-    run_name: str | None = None
-    """the run's folder under runs/ (default: {env_id}__{exp_name}__{seed}__{unix time})"""
-    track: RunSetting[bool] = False
-    """if toggled, this experiment will be tracked with Weights and Biases"""
-    wandb_project_name: RunSetting[str] = "cleanba"
-    """the wandb's project name"""
-    wandb_entity: RunSetting[str | None] = None
-    """the entity (team) of wandb's project"""
-    save_model: RunSetting[bool] = False
-    """whether to save the model (args + params) into runs/{run_name}/{exp_name}.cleanrl_model, then evaluate it"""
-    eval_episodes: RunSetting[int] = 10
-    """with --save-model: episodes of the evaluation of the saved model (TensorBoard: eval/episodic_return) (positive)"""
-    eval_greedy: RunSetting[bool] = False
-    """with --save-model: evaluate with the most likely action instead of sampling it"""
-    capture_video: RunSetting[bool] = False
-    """with --save-model: record the evaluation episodes of env 0 as MP4 files into videos/{run_name}/"""
-    upload_model: RunSetting[bool] = False
-    """with --save-model: upload the model, its card, this script and a video to the Hugging Face Hub"""
-    hf_entity: RunSetting[str | None] = None
-    """the Hub user or organization of the repo {hf_entity}/{env_id}-{exp_name}-seed{seed} (default: the token's user)"""
-    log_frequency: RunSetting[int] = 10
-    """print a console line every this many updates (TensorBoard gets every update) (positive)"""
-    checkpoint_frequency: RunSetting[int] = 100
-    """save the training state every this many updates (0: only at the end and on SIGTERM/SIGINT; non-negative)"""
-    checkpoint_keep: RunSetting[int] = 3
-    """how many of the newest checkpoints to keep (positive)"""
-    checkpoint_dir: RunSetting[str | None] = None
-    """the checkpoints' folder (default: runs/{run_name}/checkpoints); with --distributed, one folder that every
-    process sees (a shared file system): checked at start"""
-    resume: RunSetting[bool] = False
-    """continue --run-name from its newest checkpoint (re-running a --run-name that has checkpoints resumes too)"""
-
-    # Algorithm specific arguments
+class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.py), then PPO's
     env_id: str = "HalfCheetah-v4"
     """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...), DeepMind
     Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env) or Pendulum-v1"""
@@ -104,17 +62,15 @@ class Args:
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
-    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M) (in [1, 2**53])"""
+    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)
+    (in [1, 2**53])"""
     learning_rate: float = 3e-4
     """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
     local_num_envs: int = 4
     """the number of parallel game environments of each actor thread (positive)"""
-    num_actor_threads: int = 2
-    """the number of actor threads on each actor device (positive)"""
-    envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in [0, this machine's cores])"""
     num_steps: int = 256
-    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
+    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)
+    (positive)"""
     anneal_lr: bool = True
     """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
     gamma: float = 0.99
@@ -134,80 +90,57 @@ class Args:
     ent_coef: float = 0.0
     """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
     vf_coef: float = 0.5
-    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping) (non-negative, finite)"""
+    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)
+    (non-negative, finite)"""
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
     """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
 
-    # Sebulba: devices, threads, processes
-    actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
-    learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
-    concurrency: bool = True
-    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
-    distributed: RunSetting[bool] = False
-    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
-    coordinator_address: RunSetting[str | None] = None
-    """with --distributed outside SLURM: host:port of process 0"""
-    num_processes: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the number of processes (in [1, 65536])"""
-    process_id: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the id of this process, in [0, num_processes)"""
-    heartbeat_timeout: RunSetting[int] = 30
-    """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
-    wait for every process to start (in [1, 86400])"""
-    learner_loop: RunSetting[str] = "auto"
-    """the learner's loop over epochs and minibatches: scan (one compiled program per update), python (a compiled
-    minibatch step called from Python) or auto (python on CPU, where XLA compiles conv gradients inside scan
-    into a slow loop; scan on GPU/TPU). Both give the same update"""
-    queue_timeout: RunSetting[float] = 1.0
-    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
-
-    # derived by main (set_runtime_values), not flags
-    local_batch_size: int = field(init=False, default=0)
-    """steps per update collected by this process"""
-    batch_size: int = field(init=False, default=0)
-    """steps per update over all processes"""
-    num_updates: int = field(init=False, default=0)
-    """the number of learner updates"""
-    world_size: int = field(init=False, default=1)
-    """the number of processes"""
-    local_rank: int = field(init=False, default=0)
-    """this process's index"""
-
 
 def validate_args(args: Args):
     """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
     check_run_flags(args)
-    check_flags(args, positive_ints=["local_num_envs", "num_actor_threads", "num_steps", "num_minibatches",
-                                     "update_epochs", "total_timesteps"],
-                positive=["learning_rate", "clip_coef", "max_grad_norm"], non_negative=["ent_coef", "vf_coef"],
-                unit_interval=["gamma", "gae_lambda"],
-                positive_int_lists=["hiddens"])
+    check_flags(
+        args,
+        positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
+        positive=["learning_rate", "clip_coef", "max_grad_norm"],
+        non_negative=["ent_coef", "vf_coef"],
+        unit_interval=["gamma", "gae_lambda"],
+        positive_int_lists=["hiddens"],
+    )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=False, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
-        raise UsageError(f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
-                         f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them")
-    envs_per_learner_device = (len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs
-                               // len(args.learner_device_ids))
+        raise UsageError(
+            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+            f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them"
+        )
+    envs_per_learner_device = (
+        len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs // len(args.learner_device_ids)
+    )
     if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
-        raise UsageError(f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
-                         f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})")
+        raise UsageError(
+            f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+            f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})"
+        )
     check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
 
 
 # ---------------------------------------------------------------- environments
 
 
-def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None, num_threads: int = 0,
-             env_options: Sequence[str] = ()):
+def make_env(
+    env_id: str,
+    seed: int,
+    num_envs: int,
+    render_mode: str | None = None,
+    num_threads: int = 0,
+    env_options: Sequence[str] = (),
+):
     """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
     order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
-    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads,
-                        overrides=env_options)
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads, overrides=env_options)
 
 
 # ---------------------------------------------------------------- networks
@@ -258,7 +191,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
         tx=optax.chain(
             optax.clip_by_global_norm(args.max_grad_norm),
             optax.inject_hyperparams(optax.adam)(
-                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5),
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
+            ),
         ),
         # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
         obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
@@ -367,8 +301,20 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
     return advantages, advantages + values
 
 
-def ppo_loss_terms(*, new_logprobs, entropy, new_values, old_logprobs, old_values, advantages, returns, valid,
-                   normalizer, clip_coef, clip_vloss):
+def ppo_loss_terms(
+    *,
+    new_logprobs,
+    entropy,
+    new_values,
+    old_logprobs,
+    old_values,
+    advantages,
+    returns,
+    valid,
+    normalizer,
+    clip_coef,
+    clip_vloss,
+):
     """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
 
     Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
@@ -431,111 +377,208 @@ def actor_params(agent_state: AgentState):
     return agent_state.params, agent_state.obs_rms
 
 
-def actor_env_seed(seed: int, start_update: int, global_thread_index: int, local_num_envs: int) -> int:
-    """envpool seeds env i of a pool with env_seed + i: give every actor thread of every process its own
-    range, starting from a base hashed from --seed (so runs with seeds 1 and 2 do not share envs) and from
-    the update the run starts at (a resumed run starts new episodes, not the first ones again)."""
-    base = int(np.random.SeedSequence([seed, start_update]).generate_state(1)[0]) % 2**30
-    return base + global_thread_index * local_num_envs
-
-
-def rollout(*, args: Args, thread_index: int, start_update: int, key: jax.Array, make_envs: Callable,
-            actor_device: jax.Device, learner_devices: list, params_queue: queue.Queue, rollout_queue: queue.Queue,
-            stop_event: threading.Event, actor_fns: ActorFns):
-    """The actor thread: steps its envpool, acts on `actor_device`, ships rollouts to the learner."""
-    global_thread_index = args.local_rank * len(args.actor_device_ids) * args.num_actor_threads + thread_index
-    envs = make_envs(actor_env_seed(args.seed, start_update, global_thread_index, args.local_num_envs))
-    key = jax.device_put(jax.random.fold_in(jax.random.fold_in(key, start_update), global_thread_index), actor_device)
-    num_envs, num_steps = args.local_num_envs, args.num_steps
-    obs_space, action_space = envs.observation_space, envs.action_space
-    action_dim = action_space.shape[0]
+def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
+    ships rollouts to the learner."""
+    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
+    key = thread.key(key)
+    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    action_space, action_dim = envs.action_space, envs.action_space.shape[0]
     next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     discounted_return = np.zeros(num_envs, dtype=np.float32)  # of each env so far: its std scales the rewards
-    episode_returns = np.zeros(num_envs, dtype=np.float64)
-    episode_lengths = np.zeros(num_envs, dtype=np.int64)
-    returned_episode_returns = np.full(num_envs, np.nan)
-    returned_episode_lengths = np.full(num_envs, np.nan)
-    envs_per_learner_device = num_envs // len(learner_devices)
-    actor_policy_version = 0
-    rollout_queue_put_time = 0.0
+    episodes, timer = EpisodeStats(num_envs), StageTimer()
+    for update in range(thread.start_update + 1, args.num_updates + 1):
+        with timer("params_queue_get_time"):
+            # skipping the second get makes the actor exactly one policy version behind the learner
+            if update != thread.start_update + 2 or not args.concurrency:
+                params, actor_policy_version = thread.get(params_queue)
+        with timer("rollout_time"):
+            obs, raw_obs = (np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32) for _ in range(2))
+            actions = np.empty((num_steps, num_envs, *action_space.shape), dtype=np.float32)
+            logprobs, values, rewards, discounted_returns, terminations, truncations = (
+                np.empty((num_steps, num_envs), dtype=np.float32) for _ in range(6)
+            )
+            valid = np.empty((num_steps, num_envs), dtype=bool)
+            for step in range(num_steps):
+                thread.check_stopped()
+                with timer("inference_time"):
+                    step_outputs, key = actor_fns.act(params, next_obs, key)
+                    action, logprob, value, normalized_obs = np.split(
+                        np.asarray(step_outputs), [action_dim, action_dim + 1, action_dim + 2], axis=1
+                    )
+                with timer("env_step_time"):
+                    # the env gets the action clipped to its bounds; the loss keeps the sample (its log-prob is exact)
+                    clipped_action = np.clip(action, action_space.low, action_space.high)
+                    step_obs, reward, terminated, truncated, info = envs.step(clipped_action)
+                with timer("storage_time"):
+                    obs[step], raw_obs[step], actions[step] = normalized_obs, next_obs, action
+                    logprobs[step], values[step] = logprob[:, 0], value[:, 0]
+                    rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+                    valid[step] = ~previous_episode_end
+                    episodes.step(reward, terminated, truncated, info, counted=valid[step])
+                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs.astype(np.float32)
+                    discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
+                    discounted_return *= ~previous_episode_end
+            with timer("inference_time"):
+                bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
+        storage = Rollout(
+            obs,
+            raw_obs,
+            actions,
+            logprobs,
+            values,
+            rewards,
+            discounted_returns,
+            terminations,
+            truncations,
+            valid,
+            bootstrap_value,
+        )
+        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        with timer("rollout_queue_put_time"):  # logged with the next rollout
+            thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
-    for update in range(start_update + 1, args.num_updates + 1):
-        params_queue_get_start = time.time()
-        # skipping the second get makes the actor exactly one policy version behind the learner
-        if update != start_update + 2 or not args.concurrency:
-            params, actor_policy_version = queue_get(params_queue, stop_event, args.queue_timeout)
-        params_queue_get_time = time.time() - params_queue_get_start
 
-        rollout_start = time.time()
-        inference_time = env_step_time = storage_time = 0.0
-        obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32)
-        raw_obs = np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32)
-        actions = np.empty((num_steps, num_envs, *action_space.shape), dtype=np.float32)
-        logprobs = np.empty((num_steps, num_envs), dtype=np.float32)
-        values = np.empty((num_steps, num_envs), dtype=np.float32)
-        rewards = np.empty((num_steps, num_envs), dtype=np.float32)
-        discounted_returns = np.empty((num_steps, num_envs), dtype=np.float32)
-        terminations = np.empty((num_steps, num_envs), dtype=np.float32)
-        truncations = np.empty((num_steps, num_envs), dtype=np.float32)
-        valid = np.empty((num_steps, num_envs), dtype=bool)
-        for step in range(num_steps):
-            if stop_event.is_set():  # another thread failed, or Ctrl-C: do not finish a long rollout
-                raise RunStopped
-            inference_start = time.time()
-            step_outputs, key = actor_fns.act(params, next_obs, key)
-            action, logprob, value, normalized_obs = np.split(np.asarray(step_outputs), [action_dim, action_dim + 1,
-                                                                                         action_dim + 2], axis=1)
-            logprob, value = logprob[:, 0], value[:, 0]
-            env_step_start = time.time()
-            inference_time += env_step_start - inference_start
-            # the env gets the action clipped to its bounds; the loss keeps the sample (its log-prob is exact)
-            step_obs, reward, terminated, truncated, _ = envs.step(np.clip(action, action_space.low, action_space.high))
-            storage_start = time.time()
-            env_step_time += storage_start - env_step_start
-            obs[step], actions[step], logprobs[step], values[step] = normalized_obs, action, logprob, value
-            rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
-            raw_obs[step] = next_obs
-            valid[step] = ~previous_episode_end
-            episode_returns += reward
-            episode_lengths += valid[step]  # envpool's reset step is not a step of the game
-            game_over = np.logical_or(terminated, truncated)
-            returned_episode_returns = np.where(game_over, episode_returns, returned_episode_returns)
-            returned_episode_lengths = np.where(game_over, episode_lengths, returned_episode_lengths)
-            episode_returns *= ~game_over
-            episode_lengths *= ~game_over
-            discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
-            discounted_return *= ~game_over
-            previous_episode_end = np.logical_or(terminated, truncated)
-            next_obs = step_obs.astype(np.float32)
-            storage_time += time.time() - storage_start
-        inference_start = time.time()
-        bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
-        inference_time += time.time() - inference_start
-        rollout_time = time.time() - rollout_start
+# ---------------------------------------------------------------- learner
 
-        storage = Rollout(obs=obs, raw_obs=raw_obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards,
-                          discounted_returns=discounted_returns, terminations=terminations, truncations=truncations,
-                          valid=valid, bootstrap_value=bootstrap_value)
-        # one host-to-device transfer per rollout: each learner device gets its slice of the envs
-        sharded_storage = [
-            jax.device_put(jax.tree.map(lambda x: x[:, i * envs_per_learner_device : (i + 1) * envs_per_learner_device],
-                                        storage), device)
-            for i, device in enumerate(learner_devices)
-        ]
-        stats = {
-            "params_queue_get_time": params_queue_get_time,
-            "rollout_time": rollout_time,
-            "inference_time": inference_time,
-            "env_step_time": env_step_time,
-            "storage_time": storage_time,
-            "rollout_queue_put_time": rollout_queue_put_time,  # of the previous rollout
-            "returned_episode_returns": returned_episode_returns.copy(),
-            "returned_episode_lengths": returned_episode_lengths.copy(),
-        }
-        rollout_queue_put_start = time.time()
-        queue_put(rollout_queue, (sharded_storage, actor_policy_version, stats), stop_event, args.queue_timeout)
-        rollout_queue_put_time = time.time() - rollout_queue_put_start
+
+class LearnerState(NamedTuple):
+    """What the learner carries from update to update, and what a checkpoint holds."""
+
+    agent: AgentState  # params, optimizer state and running statistics, replicated over the learner devices
+    key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
+
+
+def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
+    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
+    are a Python loop over one compiled minibatch step, the on-policy scripts' one driver: on an H100 it was as fast
+    as one `lax.scan` program per update (README: the learner loop)."""
+    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
+    batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+
+    def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
+        """Per device: the running statistics updated with the rollout of all devices (the same on every device),
+        rewards scaled with them (as gym's NormalizeReward), advantages and returns, then flatten (T, envs)."""
+        flat = lambda x: x.reshape((-1, *x.shape[2:]))
+        obs_rms = merge_running_stats(
+            agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
+        )
+        # envpool's reset steps are not steps of an episode: their (zero) returns do not count
+        return_rms = merge_running_stats(
+            agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
+        )
+        agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
+        advantages, returns = compute_gae(
+            rewards=scale_rewards(return_rms, storage.rewards),
+            values=storage.values,
+            bootstrap_value=storage.bootstrap_value[0],
+            terminations=storage.terminations,
+            truncations=storage.truncations,
+            gamma=args.gamma,
+            gae_lambda=args.gae_lambda,
+        )
+        return agent_state, Batch(
+            *map(
+                flat,
+                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
+            )
+        )
+
+    def loss_fn(params, minibatch: Batch):
+        action_mean, action_logstd, new_values = agent.apply(params, minibatch.obs)
+        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
+        advantages, valid = minibatch.advantages, minibatch.valid
+        if args.norm_adv:
+            count = jnp.maximum(valid.sum(), 1)
+            mean = jnp.where(valid, advantages, 0).sum() / count
+            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
+            advantages = (advantages - mean) / (std + 1e-8)
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+            new_logprobs=new_logprobs,
+            entropy=entropy,
+            new_values=new_values,
+            old_logprobs=minibatch.logprobs,
+            old_values=minibatch.values,
+            advantages=advantages,
+            returns=minibatch.returns,
+            valid=valid,
+            normalizer=normalizer,
+            clip_coef=args.clip_coef,
+            clip_vloss=args.clip_vloss,
+        )
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+    def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
+        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    prepare_batch = jax.jit(
+        jax.shard_map(
+            prepare_batch, mesh=mesh, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs)
+        )
+    )
+    minibatch_update = jax.jit(
+        jax.shard_map(
+            minibatch_update,
+            mesh=mesh,
+            out_specs=(replicated, replicated),
+            in_specs=(replicated, batch_specs, sharded_steps, replicated),
+        ),
+        donate_argnums=(0,),
+    )
+    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
+
+    def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:
+        agent_state, key = state
+        agent_state, batch = prepare_batch(agent_state, storage)
+        metrics = []
+        for _ in range(args.update_epochs):
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            for minibatch_index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(
+                    agent_state, batch, permutation, jnp.int32(minibatch_index)
+                )
+                metrics.append(minibatch_metrics)
+        metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
+        metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
+        return LearnerState(agent_state, key), metrics
+
+    return update
+
+
+# ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
+# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
+# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `set_runtime_values` from this script)
+
+
+def saved_model(state: LearnerState) -> dict:
+    """What --save-model writes next to the flags: what `make_eval_policy` reads."""
+    return {
+        "params": to_state_dict(local_value(state.agent.params)),
+        "obs_rms": local_value(state.agent.obs_rms)._asdict(),  # the policy's input normalization
+    }
 
 
 def make_eval_policy(args: Args, model: dict, greedy: bool):
@@ -561,248 +604,58 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     return policy
 
 
-# ---------------------------------------------------------------- learner
-
-
-def make_learner_fns(args: Args, agent: Agent, mesh: Mesh):
-    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices.
-
-    `--learner-loop` drives epochs x minibatches either as one compiled program per update (`lax.scan`: GPU/TPU)
-    or as a Python loop over one compiled minibatch step (CPU: XLA turns a conv weight-gradient inside `lax.scan`
-    into a very slow loop). Both run the same per-device functions below, so they give the same update.
-    """
-    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
-    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
-    batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
-    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
-    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
-    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
-
-    def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
-        """Per device: the running statistics updated with the rollout of all devices (the same on every device),
-        rewards scaled with them (as gym's NormalizeReward), advantages and returns, then flatten (T, envs)."""
-        flat = lambda x: x.reshape((-1, *x.shape[2:]))
-        obs_rms = merge_running_stats(agent_state.obs_rms, batch_running_stats(
-            flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch"))
-        # envpool's reset steps are not steps of an episode: their (zero) returns do not count
-        return_rms = merge_running_stats(agent_state.return_rms, batch_running_stats(
-            flat(storage.discounted_returns), flat(storage.valid), "batch"))
-        agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
-        advantages, returns = compute_gae(rewards=scale_rewards(return_rms, storage.rewards), values=storage.values,
-                                          bootstrap_value=storage.bootstrap_value[0], terminations=storage.terminations,
-                                          truncations=storage.truncations, gamma=args.gamma, gae_lambda=args.gae_lambda)
-        return agent_state, Batch(*map(flat, (storage.obs, storage.actions, storage.logprobs, storage.values,
-                                              advantages, returns, storage.valid)))
-
-    def loss_fn(params, minibatch: Batch):
-        action_mean, action_logstd, new_values = agent.apply(params, minibatch.obs)
-        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
-        advantages, valid = minibatch.advantages, minibatch.valid
-        if args.norm_adv:
-            count = jnp.maximum(valid.sum(), 1)
-            mean = jnp.where(valid, advantages, 0).sum() / count
-            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
-            advantages = (advantages - mean) / (std + 1e-8)
-        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
-        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
-        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
-            new_logprobs=new_logprobs, entropy=entropy, new_values=new_values, old_logprobs=minibatch.logprobs,
-            old_values=minibatch.values, advantages=advantages, returns=minibatch.returns, valid=valid,
-            normalizer=normalizer, clip_coef=args.clip_coef, clip_vloss=args.clip_vloss)
-        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
-
-    def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
-        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
-        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
-        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
-        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
-        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, minibatch)
-        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
-        agent_state = agent_state.apply_gradients(grads=grads)
-        return agent_state, (loss, *metrics)
-
-    def shuffle(key):
-        """Each learner device permutes its own samples with its own key."""
-        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
-        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
-
-    if learner_loop(args.learner_loop, mesh) == "scan":
-
-        @partial(jax.jit, donate_argnums=(0,))
-        @partial(jax.shard_map, mesh=mesh, in_specs=(replicated, rollout_specs, replicated), out_specs=replicated)
-        def update(agent_state: AgentState, storage: Rollout, key):
-            agent_state, batch = prepare_batch(agent_state, storage)
-
-            def epoch(carry, _):
-                agent_state, key = carry
-                key, shuffle_key = jax.random.split(key)
-                permutation = shuffle(shuffle_key)
-                step = lambda agent_state, index: minibatch_update(agent_state, batch, permutation, index)
-                agent_state, metrics = jax.lax.scan(step, agent_state, jnp.arange(args.num_minibatches, dtype=jnp.int32))
-                return (agent_state, key), metrics
-
-            (agent_state, key), metrics = jax.lax.scan(epoch, (agent_state, key), length=args.update_epochs)
-            return agent_state, dict(zip(names, jax.tree.map(jnp.mean, metrics))), key
-
-        return update
-
-    prepare_batch = jax.jit(jax.shard_map(prepare_batch, mesh=mesh, in_specs=(replicated, rollout_specs),
-                                          out_specs=(replicated, batch_specs)))
-    minibatch_update = jax.jit(jax.shard_map(minibatch_update, mesh=mesh, out_specs=(replicated, replicated),
-                                             in_specs=(replicated, batch_specs, sharded_steps, replicated)),
-                               donate_argnums=(0,))
-    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
-
-    def update(agent_state: AgentState, storage: Rollout, key):
-        agent_state, batch = prepare_batch(agent_state, storage)
-        metrics = []
-        for _ in range(args.update_epochs):
-            key, shuffle_key = jax.random.split(key)
-            permutation = shuffle(shuffle_key)
-            for minibatch_index in range(args.num_minibatches):
-                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation,
-                                                                  jnp.int32(minibatch_index))
-                metrics.append(minibatch_metrics)
-        metrics = jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)
-        return agent_state, dict(zip(names, metrics)), key
-
-    return update
-
-
-def assemble_global_rollout(per_thread_storages: list, mesh: Mesh, global_envs: int) -> Rollout:
-    """Concatenate the actor threads' slices on each local learner device, then view them as one
-    global array over the learner devices of all processes (env axis sharded, device-major)."""
-    per_device = [  # per_thread_storages[thread][device] -> one Rollout per local learner device
-        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages)
-        for storages in zip(*per_thread_storages)
-    ]
-
-    def to_global(*shards):
-        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
-        return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P(None, "batch")), list(shards))
-
-    return jax.tree.map(to_global, *per_device)
-
-
 # ---------------------------------------------------------------- main: the Sebulba protocol
 
 
 def set_runtime_values(args: Args, layout: DeviceLayout):
-    """What main derives from the flags and the device layout (not flags: `--help` does not offer them)."""
-    args.world_size, args.local_rank = layout.world_size, layout.local_rank
-    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * len(layout.actor_devices)
-    args.batch_size = args.local_batch_size * args.world_size
-    args.num_updates = args.total_timesteps // args.batch_size
-    if args.num_updates < 1:
-        raise UsageError(f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
-                         "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)")
-    check_int32_counts(args, {"optimizer steps": ("--update-epochs x --num-minibatches",  # the schedule's count
-                                                  args.update_epochs * args.num_minibatches)})
+    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+    check_int32_counts(
+        args,
+        {
+            "optimizer steps": (
+                "--update-epochs x --num-minibatches",  # the schedule's count
+                args.update_epochs * args.num_minibatches,
+            )
+        },
+    )
 
 
-def state_summary(agent_state: AgentState) -> str:
+def state_summary(state: LearnerState) -> str:
     """Digests of the learner's state for the console: equal digests, bitwise equal states."""
-    return (f"params sha256={tree_digest(agent_state.params)} "
-            f"stats sha256={tree_digest((agent_state.obs_rms, agent_state.return_rms))}")
+    return (
+        f"params sha256={tree_digest(state.agent.params)} "
+        f"stats sha256={tree_digest((state.agent.obs_rms, state.agent.return_rms))}"
+    )
 
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    layout = device_layout(args)  # jax.distributed, host devices, the learner mesh over every process
-    set_runtime_values(args, layout)
-    run_folder = RunFolder(args, is_main_process=layout.is_main_process,  # locked: one live run per folder
-                           default_name=f"{args.env_id}__{args.exp_name}__{args.seed}")
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
     # the agent and learner keys are the same in every process; each actor thread folds its global index into
     # actor_key, so no two threads (or processes) sample with the same key
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
-    update = make_learner_fns(args, agent, layout.mesh)
-    checkpoints = Checkpoints(args, layout.world_size)  # one folder for every process: checked now
-    (agent_state, learner_key), start_update = checkpoints.restore(
-        (replicate(agent_state, layout.mesh), learner_key), args, summary=lambda state: state_summary(state[0]))
-    logger = RunLogger(args, is_main_process=layout.is_main_process, world_size=layout.world_size,
-                       start_update=start_update)
+    learner_update = make_learner_fns(args, agent, run.mesh)
+    state = run.restore(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    stop_event = threading.Event()  # set by whoever stops the run; every queue wait sees it
-    preemption = Preemption(layout.world_size, stop_event)  # SIGTERM / Ctrl-C: stop after an update, checkpoint
-    actors, actor_fns = ActorThreads(stop_event), make_actor_fns(agent)
-    num_envpool_threads = envpool_num_threads(args.envpool_threads, args.num_actor_threads * len(layout.actor_devices))
-    params_queues, rollout_queues, queue_devices = [], [], []
-    for thread_index in range(len(layout.actor_devices) * args.num_actor_threads):
-        actor_device = layout.actor_devices[thread_index // args.num_actor_threads]
-        params_queues.append(queue.Queue(maxsize=1))
-        rollout_queues.append(queue.Queue(maxsize=1))
-        queue_devices.append(actor_device)
-        actors.start(rollout, name=f"actor-{thread_index}", args=args, thread_index=thread_index,
-                     start_update=start_update, key=actor_key, actor_device=actor_device,
-                     make_envs=lambda seed: make_env(args.env_id, seed, args.local_num_envs,
-                                                     num_threads=num_envpool_threads, env_options=args.env_options),
-                     learner_devices=layout.learner_devices, params_queue=params_queues[-1],
-                     rollout_queue=rollout_queues[-1], stop_event=stop_event, actor_fns=actor_fns)
+    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
+    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+        run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
-    def broadcast_params(agent_state: TrainState, version: int):
-        params_per_device = copies_for_devices(actor_params(agent_state), layout.actor_devices)
-        for params_queue, device in zip(params_queues, queue_devices):
-            queue_put(params_queue, (params_per_device[device], version), stop_event, args.queue_timeout)
-
-    broadcast_params(agent_state, start_update)
-    learner_policy_version = start_update
-    with preemption.guard(actors, close=logger.close):
-        for update_index in range(start_update + 1, args.num_updates + 1):
-            if preemption.requested():
-                break
-            rollout_queue_get_start = time.time()
-            # (storages, actor_policy_version, stats) of every thread; the actor skipped one params get
-            per_thread_storages, actor_versions, actor_stats = zip(
-                *(queue_get(q, stop_event, args.queue_timeout) for q in rollout_queues))
-            assert len(set(actor_versions)) == 1, f"actor threads out of step: versions {actor_versions}"
-            rollout_queue_get_time = time.time() - rollout_queue_get_start
-
-            training_start = time.time()
-            storage = assemble_global_rollout(per_thread_storages, layout.mesh, args.batch_size // args.num_steps)
-            last_finite = (copy_state(agent_state), learner_key)  # checkpointed if this update diverges
-            agent_state, metrics, learner_key = update(agent_state, storage, learner_key)
-            learning_rate = agent_state.opt_state[1].hyperparams["learning_rate"]
-            metrics, learning_rate = jax.device_get((metrics, learning_rate))  # waits for the update
-            training_time = time.time() - training_start
-            if not all_finite(metrics, agent_state):  # NaN or inf: stop, never train on or save a wrong model
-                checkpoints.save(update_index - 1, last_finite, args, state_summary(last_finite[0]))
-                raise Diverged(update_index, metrics)
-            learner_policy_version += 1
-            actors.check()
-            if update_index < args.num_updates:
-                broadcast_params(agent_state, learner_policy_version)
-
-            logger.log_update(update_index, {
-                **metrics, "charts/learning_rate": learning_rate, "stats/actor_policy_version": actor_versions[0],
-                "stats/learner_policy_version": learner_policy_version - 1,  # the version the gradient was taken at
-                "stats/rollout_queue_get_time": rollout_queue_get_time, "stats/training_time": training_time,
-            }, actor_stats)
-            if args.checkpoint_frequency and update_index % args.checkpoint_frequency == 0:
-                checkpoints.save(update_index, (agent_state, learner_key), args, state_summary(agent_state))
-
-    preemption.requested()  # once more: a signal that reached any process in the last update counts everywhere
-    checkpoints.save(learner_policy_version, (agent_state, learner_key), args, state_summary(agent_state))
-    checkpoints.close()
-    # every process prints this: equal digests show that all learner replicas hold the same params and statistics
-    print(f"process {layout.local_rank}: final {state_summary(agent_state)}", flush=True)
-    preemption.report(learner_policy_version, args.run_name)
-    upload_succeeded = True
-    if args.save_model and layout.is_main_process and not preemption.stop_signal:  # a final, complete model only
-        upload_succeeded = save_evaluate_upload(args, __file__, {
-            "params": to_state_dict(local_value(agent_state.params)),
-            "obs_rms": local_value(agent_state.obs_rms)._asdict(),  # the policy's input normalization
-        })
-    logger.finish()
-    run_folder.release()
-    shutdown()  # jax.distributed
-    # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
-    return preemption.exit_code or (0 if upload_succeeded else 1)
+    run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
+    with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
+        for update in run.updates():
+            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
+            state, metrics = run.learn(update, learner_update, state, storage)  # NaN or inf: stops, checkpointed
+            if update < args.num_updates:
+                run.broadcast(params_queues, actor_params(state.agent), version=update)
+            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 
 if __name__ == "__main__":

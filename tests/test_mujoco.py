@@ -16,14 +16,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import MUJOCO_SCRIPT, TINY_HALFCHEETAH, load_script, run_script
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from scipy import stats
-
-from cleanrl_utils.evals.evaluate import run_episodes, saved_args
-from cleanrl_utils.flags import run_cli
-from conftest import MUJOCO_SCRIPT, TINY_HALFCHEETAH, load_script, run_script
 from test_smoke import TAGS, versions
+
+from cleanrl_utils.actors import ActorThread
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.evals.evaluate import run_episodes, saved_args
 
 mujoco = load_script(MUJOCO_SCRIPT)
 
@@ -77,8 +78,9 @@ def test_statistics_inside_shard_map_are_those_of_the_whole_batch_on_every_devic
     @jax.jit
     @partial(jax.shard_map, mesh=mesh, in_specs=(P("batch"), P("batch")), out_specs=P("batch"))
     def per_device_stats(x, weights):
-        return jax.tree.map(lambda v: jax.lax.pcast(v, "batch", to="varying")[None],
-                            mujoco.batch_running_stats(x, weights, "batch"))
+        return jax.tree.map(
+            lambda v: jax.lax.pcast(v, "batch", to="varying")[None], mujoco.batch_running_stats(x, weights, "batch")
+        )
 
     result = per_device_stats(x, weights)  # one row per device
     for field in result:
@@ -88,7 +90,7 @@ def test_statistics_inside_shard_map_are_those_of_the_whole_batch_on_every_devic
     assert result.count[0] == weights.sum()
 
 
-def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices_and_with_either_loop():
+def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
     T, N, obs_dim, action_dim = 8, 4, 3, 2
     rng = np.random.default_rng(0)
     raw_obs = rng.normal(2.0, 3.0, size=(T, N, obs_dim)).astype(np.float32)
@@ -110,25 +112,50 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices_an
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
     initial = jax.tree.map(np.float32, mujoco.RunningMeanStd(np.zeros(obs_dim), np.ones(obs_dim), 1e-4))
 
-    def update(num_devices, learner_loop, num_minibatches=1, update_epochs=1):
-        args = mujoco.Args(num_steps=T, local_num_envs=N, num_actor_threads=1, num_minibatches=num_minibatches,
-                           update_epochs=update_epochs, learner_device_ids=list(range(num_devices)), norm_adv=False,
-                           learner_loop=learner_loop)
+    def update(num_devices, num_minibatches=1, update_epochs=1):
+        args = mujoco.Args(
+            num_steps=T,
+            local_num_envs=N,
+            num_actor_threads=1,
+            num_minibatches=num_minibatches,
+            update_epochs=update_epochs,
+            learner_device_ids=list(range(num_devices)),
+            norm_adv=False,
+        )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
-        state = mujoco.AgentState.create(apply_fn=None, params=params, tx=optax.sgd(0.1), obs_rms=initial,
-                                         return_rms=jax.tree.map(np.float32, mujoco.RunningMeanStd(0.0, 1.0, 1e-4)))
+        # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
+        tx = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+        state = mujoco.AgentState.create(
+            apply_fn=None,
+            params=params,
+            tx=tx,
+            obs_rms=initial,
+            return_rms=jax.tree.map(np.float32, mujoco.RunningMeanStd(0.0, 1.0, 1e-4)),
+        )
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = mujoco.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics, key = mujoco.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
-        assert set(metrics) == {"losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
-                                "losses/approx_kl"}
-        return jax.device_get((state.params, state.obs_rms, state.return_rms, metrics, jax.random.key_data(key)))
+        state, metrics = mujoco.make_learner_fns(args, agent, mesh)(
+            mujoco.LearnerState(state, jax.random.key(1)), global_storage
+        )
+        assert set(metrics) == {
+            "losses/loss",
+            "losses/policy_loss",
+            "losses/value_loss",
+            "losses/entropy",
+            "losses/approx_kl",
+            "charts/learning_rate",
+        }
+        assert float(metrics["charts/learning_rate"]) == np.float32(0.1)
+        agent_state = state.agent
+        return jax.device_get(
+            (agent_state.params, agent_state.obs_rms, agent_state.return_rms, metrics, jax.random.key_data(state.key))
+        )
 
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
-    results = [update(1, "python"), update(2, "python"), update(2, "scan")]
+    results = [update(1), update(2)]
     same(results[0], results[1])
-    same(results[0], results[2])
-    same(update(2, "python", num_minibatches=2, update_epochs=2), update(2, "scan", num_minibatches=2, update_epochs=2))
+    several = update(2, num_minibatches=2, update_epochs=2)  # the Python loop over epochs and minibatches
+    same(several[1:3], results[1][1:3])  # the statistics are updated once per update, before the epochs
     _, obs_rms, return_rms, _, _ = results[1]
     # the statistics now include the whole global rollout: every observation, the returns of valid steps
     assert float(obs_rms.count) == pytest.approx(T * N + 1e-4)
@@ -136,7 +163,8 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices_an
     np.testing.assert_allclose(obs_rms.var, raw_obs.reshape(-1, obs_dim).var(0), rtol=1e-3)
     assert float(return_rms.count) == pytest.approx(valid.sum() + 1e-4)
     np.testing.assert_allclose(return_rms.var, storage.discounted_returns[valid].var(), rtol=1e-3)
-    assert not np.allclose(jax.tree.leaves(results[0][0])[0], jax.tree.leaves(params)[0])  # it did update
+    for updated in (results[0], several):  # it did update
+        assert not np.allclose(jax.tree.leaves(updated[0])[0], jax.tree.leaves(params)[0])
 
 
 def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns():
@@ -149,15 +177,32 @@ def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns(
     args = mujoco.Args(env_id="Hopper-v4", local_num_envs=N, num_steps=T, num_actor_threads=1, hiddens=[8])
     args.num_updates = 1
     agent, agent_state = mujoco.make_agent(args, jax.random.key(0))
-    obs_rms = mujoco.RunningMeanStd(np.linspace(-1, 1, obs_dim, dtype=np.float32), np.full(obs_dim, 4, np.float32),
-                                    np.float32(10))
+    obs_rms = mujoco.RunningMeanStd(
+        np.linspace(-1, 1, obs_dim, dtype=np.float32), np.full(obs_dim, 4, np.float32), np.float32(10)
+    )
     params_queue, rollout_queue = queue.Queue(), queue.Queue()
     params_queue.put(((agent_state.params, obs_rms), 0))
     device = jax.devices()[0]
-    mujoco.rollout(args=args, thread_index=0, start_update=0, key=jax.random.key(1),
-                   make_envs=lambda seed: mujoco.make_env("Hopper-v4", seed, N, num_threads=1), actor_device=device,
-                   learner_devices=[device], params_queue=params_queue, rollout_queue=rollout_queue,
-                   stop_event=threading.Event(), actor_fns=mujoco.make_actor_fns(agent))
+    thread = ActorThread(
+        index=0,
+        global_index=0,
+        device=device,
+        learner_devices=[device],
+        start_update=0,
+        envpool_threads=1,
+        stop_event=threading.Event(),
+        queue_timeout=args.queue_timeout,
+    )
+    make_envs = partial(mujoco.make_env, "Hopper-v4", num_envs=N)
+    mujoco.rollout(
+        args=args,
+        thread=thread,
+        key=jax.random.key(1),
+        make_envs=make_envs,
+        actor_fns=mujoco.make_actor_fns(agent),
+        params_queue=params_queue,
+        rollout_queue=rollout_queue,
+    )
     (storage,), version, stats = rollout_queue.get_nowait()  # one slice: one learner device
     storage = jax.device_get(storage)
     assert version == 0 and storage.actions.shape == (T, N, 3) and storage.bootstrap_value.shape == (1, N)
@@ -178,9 +223,25 @@ def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns(
 
 
 # a0-l1,2 with 2 actor threads on Hopper-v4 (episodes end early there): 4 updates of 64 steps, checkpoints at 2 and 4
-LAYOUT_FLAGS = [*TINY_HALFCHEETAH, "--env-id", "Hopper-v4", "--num-actor-threads", "2", "--actor-device-ids", "0",
-                "--learner-device-ids", "1", "2", "--total-timesteps", "256", "--checkpoint-frequency", "2",
-                "--save-model", "--seed", "3"]
+LAYOUT_FLAGS = [
+    *TINY_HALFCHEETAH,
+    "--env-id",
+    "Hopper-v4",
+    "--num-actor-threads",
+    "2",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "2",
+    "--total-timesteps",
+    "256",
+    "--checkpoint-frequency",
+    "2",
+    "--save-model",
+    "--seed",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -247,25 +308,45 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip() == (
         "error: --env-id 'CartPole-v1' is not supported (discrete actions): use an envpool id of MuJoCo (gym) "
-        "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control (Pendulum-v1)")
+        "(HalfCheetah-v4), DeepMind Control (CheetahRun-v1), classic control (Pendulum-v1)"
+    )
     assert not (workdir / "runs").exists()
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--env-options", "stack_num=1"], "--env-options 'stack_num=1' is not KEY=VALUE with a KEY of HalfCheetah-v4's"),
-    (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
-    (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
-    (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
-    (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct device ids in [0, 63]"),
-    (["--learner-device-ids", "0", "7"], "--learner-device-ids [0, 7] out of range: this process has 4"),
-    (["--hiddens", "64", "0"], "--hiddens must be one or more positive integers"),
-    (["--local-num-envs", "3", "--learner-device-ids", "0", "1"], "--local-num-envs (3) must be divisible"),
-    (["--learning-rate", "inf"], "--learning-rate must be positive and finite, got inf"),
-    (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
-    (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
-    (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch (2048 ="),
-], ids=["env-option", "atari", "unknown", "negative-device", "duplicate-device", "device-out-of-range", "hiddens",
-        "envs-split", "infinite-learning-rate", "negative-entropy-coefficient", "lambda-above-one", "below-one-batch"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--env-options", "stack_num=1"],
+            "--env-options 'stack_num=1' is not KEY=VALUE with a KEY of HalfCheetah-v4's",
+        ),
+        (["--env-id", "Breakout-v5"], "--env-id 'Breakout-v5' is not supported"),
+        (["--env-id", "HalfCheetah-v99"], "--env-id 'HalfCheetah-v99' is not supported"),
+        (["--learner-device-ids", "-1"], "--learner-device-ids must be one or more distinct device ids in [0, 63]"),
+        (["--actor-device-ids", "0", "0"], "--actor-device-ids must be one or more distinct device ids in [0, 63]"),
+        (["--learner-device-ids", "0", "7"], "--learner-device-ids [0, 7] out of range: this process has 4"),
+        (["--hiddens", "64", "0"], "--hiddens must be one or more positive integers"),
+        (["--local-num-envs", "3", "--learner-device-ids", "0", "1"], "--local-num-envs (3) must be divisible"),
+        (["--learning-rate", "inf"], "--learning-rate must be positive and finite, got inf"),
+        (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
+        (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
+        (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch (2048 ="),
+    ],
+    ids=[
+        "env-option",
+        "atari",
+        "unknown",
+        "negative-device",
+        "duplicate-device",
+        "device-out-of-range",
+        "hiddens",
+        "envs-split",
+        "infinite-learning-rate",
+        "negative-entropy-coefficient",
+        "lambda-above-one",
+        "below-one-batch",
+    ],
+)
 def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, message):
     # in this process (4 host devices, set by conftest): main() must stop with exit code 2 before it starts a run
     monkeypatch.chdir(workdir)
@@ -279,10 +360,28 @@ def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, messag
 
 # InvertedPendulum-v4, a0-l1: 40 updates of 1 actor thread x 8 envs x 128 steps, 16 minibatches (of 64, as the PPO
 # paper's Table 3); every other hyperparameter is the script's default
-PENDULUM_LEARNING = ["--env-id", "InvertedPendulum-v4", "--num-actor-threads", "1", "--local-num-envs", "8",
-                     "--num-steps", "128", "--num-minibatches", "16", "--actor-device-ids", "0",
-                     "--learner-device-ids", "1", "--total-timesteps", "40960", "--log-frequency", "10",
-                     "--checkpoint-frequency", "0"]
+PENDULUM_LEARNING = [
+    "--env-id",
+    "InvertedPendulum-v4",
+    "--num-actor-threads",
+    "1",
+    "--local-num-envs",
+    "8",
+    "--num-steps",
+    "128",
+    "--num-minibatches",
+    "16",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "--total-timesteps",
+    "40960",
+    "--log-frequency",
+    "10",
+    "--checkpoint-frequency",
+    "0",
+]
 
 
 def test_inverted_pendulum_balances_within_41k_steps(workdir):
