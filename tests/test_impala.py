@@ -5,14 +5,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import IMPALA_SCRIPT, load_script, run_script
 
 impala = load_script(IMPALA_SCRIPT)
 
 
-def vtrace_losses_numpy(logits, values, bootstrap_value, actions, behaviour_logprobs, rewards, terminations,
-                        truncations, valid, gamma, rho_bar, c_bar):
+def vtrace_losses_numpy(
+    logits,
+    values,
+    bootstrap_value,
+    actions,
+    behaviour_logprobs,
+    rewards,
+    terminations,
+    truncations,
+    valid,
+    gamma,
+    rho_bar,
+    c_bar,
+):
     """V-trace (Espeholt et al. 2018, Sec. 4.1-4.2) with plain loops; episode ends cut the trace."""
     T, N = rewards.shape
     log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -37,8 +48,12 @@ def vtrace_losses_numpy(logits, values, bootstrap_value, actions, behaviour_logp
             next_target = next_values[s, n] if ended or s == T - 1 else vs[s + 1, n]
             pg_advantages[s, n] = min(rho_bar, rhos[s, n]) * (rewards[s, n] + discount * next_target - values[s, n])
     weights = valid / valid.sum()
-    return ((-pg_advantages * logprobs * weights).sum(), (0.5 * (vs - values) ** 2 * weights).sum(),
-            (entropy * weights).sum(), (((rhos - 1) - np.log(rhos)) * weights).sum())
+    return (
+        (-pg_advantages * logprobs * weights).sum(),
+        (0.5 * (vs - values) ** 2 * weights).sum(),
+        (entropy * weights).sum(),
+        (((rhos - 1) - np.log(rhos)) * weights).sum(),
+    )
 
 
 @pytest.mark.parametrize("c_bar", [1.0, 0.7])
@@ -56,23 +71,45 @@ def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
     valid = np.ones((T, N), bool)
     valid[1:] = (terminations[:-1] == 0) & (truncations[:-1] == 0)  # envpool's reset steps
     ours = impala.vtrace_loss_terms(
-        logits=jnp.asarray(logits), values=jnp.asarray(values), bootstrap_value=jnp.asarray(bootstrap_value),
-        actions=jnp.asarray(actions), behaviour_logprobs=jnp.asarray(behaviour_logprobs), rewards=jnp.asarray(rewards),
-        terminations=jnp.asarray(terminations), truncations=jnp.asarray(truncations), valid=jnp.asarray(valid),
-        normalizer=jnp.float32(valid.sum()), gamma=0.99, rho_bar=1.0, c_bar=c_bar)
-    expected = vtrace_losses_numpy(logits.astype(np.float64), values, bootstrap_value, actions, behaviour_logprobs,
-                                   rewards, terminations, truncations, valid, 0.99, 1.0, c_bar)
+        logits=jnp.asarray(logits),
+        values=jnp.asarray(values),
+        bootstrap_value=jnp.asarray(bootstrap_value),
+        actions=jnp.asarray(actions),
+        behaviour_logprobs=jnp.asarray(behaviour_logprobs),
+        rewards=jnp.asarray(rewards),
+        terminations=jnp.asarray(terminations),
+        truncations=jnp.asarray(truncations),
+        valid=jnp.asarray(valid),
+        normalizer=jnp.float32(valid.sum()),
+        gamma=0.99,
+        rho_bar=1.0,
+        c_bar=c_bar,
+    )
+    expected = vtrace_losses_numpy(
+        logits.astype(np.float64),
+        values,
+        bootstrap_value,
+        actions,
+        behaviour_logprobs,
+        rewards,
+        terminations,
+        truncations,
+        valid,
+        0.99,
+        1.0,
+        c_bar,
+    )
     np.testing.assert_allclose([float(x) for x in ours], expected, rtol=2e-4, atol=1e-5)
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_loop():
+def test_learner_update_is_the_same_on_one_and_on_two_devices():
     """Data parallelism must not change the math: the same global rollout, one minibatch, gives the same params.
     IMPALA's learner turns shard_map's checks off (check_vma=False), so nothing but this test checks that each
-    device's gradient is summed over the devices exactly once."""
+    device's gradient is summed over the devices exactly once; several minibatches on two devices update too."""
+    import optax
     from flax.training.train_state import TrainState
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
-    import optax
 
     assert len(jax.devices()) >= 2, "conftest arranges 4 host devices"
     T, N, obs_dim = 8, 4, 3
@@ -91,35 +128,74 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices_and_with_either_lo
     agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
-    def update(num_devices, learner_loop, num_minibatches=1):
-        args = impala.Args(env_id="CartPole-v1", num_steps=T, local_num_envs=N, num_actor_threads=1,
-                           learner_device_ids=list(range(num_devices)), num_minibatches=num_minibatches,
-                           vtrace_c_bar=0.9, learner_loop=learner_loop)
+    def update(num_devices, num_minibatches=1):
+        args = impala.Args(
+            env_id="CartPole-v1",
+            num_steps=T,
+            local_num_envs=N,
+            num_actor_threads=1,
+            learner_device_ids=list(range(num_devices)),
+            num_minibatches=num_minibatches,
+            vtrace_c_bar=0.9,
+        )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
-        state = TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+        # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
+        tx = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
+        state = TrainState.create(apply_fn=None, params=params, tx=tx)
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = impala.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics, key = impala.make_learner_fns(args, agent, mesh)(state, global_storage, jax.random.key(1))
-        assert metrics.keys() == {"losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy",
-                                  "losses/approx_kl"}
-        return jax.device_get((state.params, metrics, jax.random.key_data(key)))
+        state, metrics = impala.make_learner_fns(args, agent, mesh)(
+            impala.LearnerState(state, jax.random.key(1)), global_storage
+        )
+        assert metrics.keys() == {
+            "losses/loss",
+            "losses/policy_loss",
+            "losses/value_loss",
+            "losses/entropy",
+            "losses/approx_kl",
+            "charts/learning_rate",
+        }
+        assert float(metrics["charts/learning_rate"]) == np.float32(0.1)
+        return jax.device_get((state.agent.params, metrics, jax.random.key_data(state.key)))
 
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
-    one_device = update(1, "python")
-    same(one_device, update(2, "python"))
-    same(one_device, update(2, "scan"))  # the scan loop: one program per update, the same math
-    same(update(2, "python", num_minibatches=2), update(2, "scan", num_minibatches=2))
+    one_device = update(1)
+    same(one_device, update(2))
+    several = update(2, num_minibatches=2)
     # it did update, by far more than the tolerance: a gradient summed twice, or not summed, would show
-    change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(one_device[0]), jax.tree.leaves(params)))
-    assert change > 1e-3, change
+    for updated in (one_device, several):
+        change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(params)))
+        assert change > 1e-3, change
 
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "8", "--num-steps", "20", "--num-minibatches", "1",
-            "--hiddens", "64", "64", "--learning-rate", "1e-3", "--actor-device-ids", "0", "--learner-device-ids", "1"]
+
+CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "8",
+    "--num-steps",
+    "20",
+    "--num-minibatches",
+    "1",
+    "--hiddens",
+    "64",
+    "64",
+    "--learning-rate",
+    "1e-3",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+]
 
 
 def test_cartpole_reaches_300_within_200k_steps(workdir):
-    run = run_script([*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "200000", "--log-frequency", "100"],
-                     workdir, script=IMPALA_SCRIPT, timeout=400)
+    run = run_script(
+        [*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "200000", "--log-frequency", "100"],
+        workdir,
+        script=IMPALA_SCRIPT,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stderr
     best_step, best = max(run.scalars()["charts/avg_episodic_return"], key=lambda step_value: step_value[1])
     assert best >= 300, f"best average return {best:.1f} at step {best_step}"
@@ -134,11 +210,15 @@ def test_same_seed_same_run(workdir):
         assert a[tag] == b[tag], tag
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--vtrace-c-bar", "1.5"], "--vtrace-c-bar must be in (0, 1]"),
-    (["--vtrace-rho-bar", "0"], "--vtrace-rho-bar must be positive"),
-    (["--local-num-envs", "5", "--num-minibatches", "4"], "--num-minibatches (4) must divide the trajectories"),
-], ids=["c-bar", "rho-bar", "minibatches"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--vtrace-c-bar", "1.5"], "--vtrace-c-bar must be in (0, 1]"),
+        (["--vtrace-rho-bar", "0"], "--vtrace-rho-bar must be positive"),
+        (["--local-num-envs", "5", "--num-minibatches", "4"], "--num-minibatches (4) must divide the trajectories"),
+    ],
+    ids=["c-bar", "rho-bar", "minibatches"],
+)
 def test_bad_input_is_one_clear_line(workdir, flags, message):
     run = run_script(flags, workdir, script=IMPALA_SCRIPT, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr
