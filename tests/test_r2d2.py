@@ -10,34 +10,116 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import (
+    R2D2_SCRIPT,
+    REPO,
+    Run,
+    assert_resumes_on_other_layouts,
+    finish_processes,
+    finish_script,
+    load_script,
+    resumes_on_other_layouts,
+    run_script,
+    same_seed_and_resumed_runs,
+    script_command,
+    start_processes,
+    start_script,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from conftest import (R2D2_SCRIPT, REPO, Run, assert_resumes_on_other_layouts, finish_processes, finish_script,
-                      load_script, resumes_on_other_layouts, run_script, same_seed_and_resumed_runs, script_command,
-                      start_processes, start_script)
 
 OBSERVATION_MASK = REPO / "tests" / "observation_mask.py"
 r2d2 = load_script(R2D2_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
 # tiny CartPole settings: 1 actor thread x 4 envs x 8 steps = 32 env steps per update, sequences of 8 (burn-in 2)
-TINY = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-actor-threads", "1", "--num-steps", "8",
-        "--sequence-length", "8", "--burn-in", "2", "--n-step", "2", "--lstm-size", "8", "--hiddens", "16",
-        "--minibatch-size", "4", "--buffer-size", "256", "--learning-starts", "64", "--replay-ratio", "0.0625",
-        "--target-update-period", "4", "--actor-device-ids", "0", "--learner-device-ids", "1", "--log-frequency", "1"]
+TINY = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "4",
+    "--num-actor-threads",
+    "1",
+    "--num-steps",
+    "8",
+    "--sequence-length",
+    "8",
+    "--burn-in",
+    "2",
+    "--n-step",
+    "2",
+    "--lstm-size",
+    "8",
+    "--hiddens",
+    "16",
+    "--minibatch-size",
+    "4",
+    "--buffer-size",
+    "256",
+    "--learning-starts",
+    "64",
+    "--replay-ratio",
+    "0.0625",
+    "--target-update-period",
+    "4",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+    "--log-frequency",
+    "1",
+]
 # tiny Breakout: a 4-channel IMPALA CNN and an 8-unit LSTM; 2 threads x 4 envs x 8 steps = 64 env steps per update
-TINY_BREAKOUT = ["--env-id", "Breakout-v5", "--local-num-envs", "4", "--num-actor-threads", "2", "--num-steps", "8",
-                 "--sequence-length", "8", "--burn-in", "2", "--channels", "4", "--hiddens", "16", "--lstm-size", "8",
-                 "--minibatch-size", "4", "--buffer-size", "512", "--learning-starts", "0",
-                 "--replay-ratio", "0.015625", "--log-frequency", "1"]
+TINY_BREAKOUT = [
+    "--env-id",
+    "Breakout-v5",
+    "--local-num-envs",
+    "4",
+    "--num-actor-threads",
+    "2",
+    "--num-steps",
+    "8",
+    "--sequence-length",
+    "8",
+    "--burn-in",
+    "2",
+    "--channels",
+    "4",
+    "--hiddens",
+    "16",
+    "--lstm-size",
+    "8",
+    "--minibatch-size",
+    "4",
+    "--buffer-size",
+    "512",
+    "--learning-starts",
+    "0",
+    "--replay-ratio",
+    "0.015625",
+    "--log-frequency",
+    "1",
+]
 
 
 def args_for(num_learner_devices: int, **flags) -> "r2d2.Args":
-    args = r2d2.Args(**{"env_id": "CartPole-v1", "local_num_envs": 4, "num_actor_threads": 1, "num_steps": 8,
-                        "sequence_length": 8, "burn_in": 2, "n_step": 2, "lstm_size": 8, "hiddens": [16],
-                        "minibatch_size": 8, "buffer_size": 256, "learner_device_ids": list(range(num_learner_devices)),
-                        **flags})
+    args = r2d2.Args(
+        **{
+            "env_id": "CartPole-v1",
+            "local_num_envs": 4,
+            "num_actor_threads": 1,
+            "num_steps": 8,
+            "sequence_length": 8,
+            "burn_in": 2,
+            "n_step": 2,
+            "lstm_size": 8,
+            "hiddens": [16],
+            "minibatch_size": 8,
+            "buffer_size": 256,
+            "learner_device_ids": list(range(num_learner_devices)),
+            **flags,
+        }
+    )
     args.batch_size = args.local_num_envs * args.num_steps  # what set_runtime_values derives for one process
     args.gradient_steps = 2
     return args
@@ -91,8 +173,15 @@ def test_n_step_double_q_targets_match_a_plain_loop_with_terminations_and_trunca
     truncations = (ends & (terminations == 0)).astype(np.float32)
     online, target = (rng.normal(size=(T, B, A)).astype(np.float32) * 5 for _ in range(2))
     for n in [1, 3, 5]:
-        targets = r2d2.n_step_double_q_targets(rewards=rewards, terminations=terminations, truncations=truncations,
-                                               online_next_q=online, target_next_q=target, gamma=0.9, n_step=n)
+        targets = r2d2.n_step_double_q_targets(
+            rewards=rewards,
+            terminations=terminations,
+            truncations=truncations,
+            online_next_q=online,
+            target_next_q=target,
+            gamma=0.9,
+            n_step=n,
+        )
         expected = reference_targets(rewards, terminations, truncations, online, target, 0.9, n)
         np.testing.assert_allclose(targets, expected, rtol=1e-4, atol=1e-4)
     assert terminations.sum() > 3 and truncations.sum() > 3  # both kinds of end occur
@@ -124,17 +213,31 @@ def test_burn_in_rows_only_warm_the_state_up():
     agent, state = r2d2.make_agent(args, jax.random.key(0))
     rng = np.random.default_rng(2)
     L, B = args.sequence_length, 3
-    sequences = r2d2.Sequences(
-        obs=jnp.asarray(rng.normal(size=(L, B, 4)), jnp.float32), actions=jnp.asarray(rng.integers(0, 2, (L, B))),
-        rewards=jnp.ones((L, B)), terminations=jnp.zeros((L, B)), truncations=jnp.zeros((L, B)),
-        valid=jnp.ones((L, B), bool), episode_starts=jnp.zeros((L, B), bool).at[0].set(True),
-        start_cells=jnp.zeros((B, 8)), start_hiddens=jnp.zeros((B, 8)))
+    sequences = r2d2.Rollout(
+        obs=jnp.asarray(rng.normal(size=(L, B, 4)), jnp.float32),
+        actions=jnp.asarray(rng.integers(0, 2, (L, B))),
+        rewards=jnp.ones((L, B)),
+        terminations=jnp.zeros((L, B)),
+        truncations=jnp.zeros((L, B)),
+        valid=jnp.ones((L, B), bool),
+        episode_starts=jnp.zeros((L, B), bool).at[0].set(True),
+        start_cells=jnp.zeros((B, 8)),
+        start_hiddens=jnp.zeros((B, 8)),
+    )
 
     @jax.jit
     def loss(obs):
-        return r2d2.r2d2_loss(state.online.params, agent=agent, target_params=state.target_params,
-                              sequences=sequences._replace(obs=obs), weights=jnp.ones(B), normalizer=float(B),
-                              burn_in=args.burn_in, gamma=0.99, n_step=2)[0]
+        return r2d2.r2d2_loss(
+            state.online.params,
+            agent=agent,
+            target_params=state.target_params,
+            sequences=sequences._replace(obs=obs),
+            weights=jnp.ones(B),
+            normalizer=float(B),
+            burn_in=args.burn_in,
+            gamma=0.99,
+            n_step=2,
+        )[0]
 
     gradient = jax.jit(jax.grad(loss))(sequences.obs)
     assert np.all(gradient[: args.burn_in] == 0) and np.abs(gradient[args.burn_in :]).max() > 0
@@ -176,14 +279,33 @@ def test_actor_marks_the_row_after_envpools_reset_step_as_an_episode_start():
 
     import queue
     import threading
+
+    from cleanrl_utils.actors import ActorThread
+
     args = args_for(1, local_num_envs=1, num_steps=8, sequence_length=8, lstm_size=8)
     args.num_updates, args.world_size = 1, 1
     agent, state = r2d2.make_agent(args, jax.random.key(0))
     params_queue, rollout_queue = queue.Queue(1), queue.Queue(1)
     params_queue.put((state.online.params, 0))
-    r2d2.rollout(args=args, thread_index=0, start_update=0, key=jax.random.key(0), make_envs=lambda seed: ScriptedEnvs(),
-                 actor_device=jax.devices()[0], learner_devices=[jax.devices()[0]], params_queue=params_queue,
-                 rollout_queue=rollout_queue, stop_event=threading.Event(), actor_fns=r2d2.make_actor_fns(agent))
+    thread = ActorThread(
+        index=0,
+        global_index=0,
+        device=jax.devices()[0],
+        learner_devices=[jax.devices()[0]],
+        start_update=0,
+        envpool_threads=1,
+        stop_event=threading.Event(),
+        queue_timeout=1.0,
+    )
+    r2d2.rollout(
+        args=args,
+        thread=thread,
+        key=jax.random.key(0),
+        make_envs=lambda seed, num_threads: ScriptedEnvs(),
+        actor_fns=r2d2.make_actor_fns(agent),
+        params_queue=params_queue,
+        rollout_queue=rollout_queue,
+    )
     (storage,), _, _ = rollout_queue.get_nowait()
     period = 4  # the first 4 rows: the (empty) end of a previous rollout
     new = lambda x: np.asarray(x)[period:, 0]
@@ -199,10 +321,17 @@ def test_actor_marks_the_row_after_envpools_reset_step_as_an_episode_start():
 def test_sequences_overlap_by_half():
     T, N = 12, 2  # 4 rows of the previous rollout + 8 new: sequences of 8 start at rows 0 and 4
     rows = (np.arange(T)[:, None] * 10 + np.arange(N)).astype(np.float32)
-    storage = r2d2.Rollout(obs=rows[..., None], actions=rows.astype(np.int32), rewards=rows, terminations=rows,
-                           truncations=rows, valid=rows > 0, episode_starts=rows > 0,
-                           start_cells=np.arange(4, dtype=np.float32).reshape(2, 2, 1),
-                           start_hiddens=np.arange(4, dtype=np.float32).reshape(2, 2, 1))
+    storage = r2d2.Rollout(
+        obs=rows[..., None],
+        actions=rows.astype(np.int32),
+        rewards=rows,
+        terminations=rows,
+        truncations=rows,
+        valid=rows > 0,
+        episode_starts=rows > 0,
+        start_cells=np.arange(4, dtype=np.float32).reshape(2, 2, 1),
+        start_hiddens=np.arange(4, dtype=np.float32).reshape(2, 2, 1),
+    )
     sequences = r2d2.cut_sequences(jax.tree.map(jnp.asarray, storage), 8)
     expected = [[10 * t + n for t in range(k * 4, k * 4 + 8)] for k in range(2) for n in range(N)]
     np.testing.assert_array_equal(sequences.rewards, expected)
@@ -225,12 +354,17 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
     are normalized by the global largest and the gradients are summed exactly once."""
     rng = np.random.default_rng(0)
     n, L = 8, 8
-    sequences = r2d2.Sequences(
-        obs=rng.normal(size=(n, L, 4)).astype(np.float32), actions=rng.integers(0, 2, (n, L)).astype(np.int32),
-        rewards=rng.normal(size=(n, L)).astype(np.float32), terminations=(rng.random((n, L)) < 0.1).astype(np.float32),
-        truncations=(rng.random((n, L)) < 0.1).astype(np.float32), valid=rng.random((n, L)) < 0.9,
-        episode_starts=rng.random((n, L)) < 0.2, start_cells=rng.normal(size=(n, 8)).astype(np.float32),
-        start_hiddens=rng.normal(size=(n, 8)).astype(np.float32))
+    sequences = r2d2.Rollout(
+        obs=rng.normal(size=(n, L, 4)).astype(np.float32),
+        actions=rng.integers(0, 2, (n, L)).astype(np.int32),
+        rewards=rng.normal(size=(n, L)).astype(np.float32),
+        terminations=(rng.random((n, L)) < 0.1).astype(np.float32),
+        truncations=(rng.random((n, L)) < 0.1).astype(np.float32),
+        valid=rng.random((n, L)) < 0.9,
+        episode_starts=rng.random((n, L)) < 0.2,
+        start_cells=rng.normal(size=(n, 8)).astype(np.float32),
+        start_hiddens=rng.normal(size=(n, 8)).astype(np.float32),
+    )
     minibatch = r2d2.Minibatch(sequences, rng.uniform(0.5, 2.0, n).astype(np.float32))
     results = []
     for num_devices in [1, 2]:
@@ -239,7 +373,7 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
         agent, state = r2d2.make_agent(args, jax.random.key(0))
         learner = r2d2.make_learner_fns(args, agent, mesh)
         state = r2d2.replicate(state, mesh)
-        global_minibatch = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("batch"))), minibatch)
+        global_minibatch = jax.device_put(minibatch, NamedSharding(mesh, P("batch")))
         for _ in range(3):
             state, metrics, priorities = learner.gradient_step(state, global_minibatch)
         results.append(jax.device_get((state, metrics, priorities)))
@@ -247,14 +381,20 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
     initial = jax.device_get(r2d2.make_agent(args, jax.random.key(0))[1])
-    change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(one[0].online.params),
-                                                      jax.tree.leaves(initial.online.params)))
+    change = max(
+        np.abs(a - b).max()
+        for a, b in zip(jax.tree.leaves(one[0].online.params), jax.tree.leaves(initial.online.params))
+    )
     assert change > 1e-3  # it did learn, by far more than the tolerance
     # the target network was copied at step 2 (period 2), not at step 3
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one[0].target_params),
-                                                        jax.tree.leaves(initial.online.params)))
-    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one[0].target_params),
-                                                        jax.tree.leaves(one[0].online.params)))
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(one[0].target_params), jax.tree.leaves(initial.online.params))
+    )
+    assert not all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(one[0].target_params), jax.tree.leaves(one[0].online.params))
+    )
 
 
 def test_replay_keeps_each_devices_envs_and_learns_priorities():
@@ -264,15 +404,24 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     agent, state = r2d2.make_agent(args, jax.random.key(0))
     learner = r2d2.make_learner_fns(args, agent, mesh)
-    state, replay, key = r2d2.replicate(state, mesh), learner.init_replay(), jax.random.key(0)
+    state = r2d2.LearnerState(r2d2.replicate(state, mesh), learner.init_replay(), jax.random.key(0))
     T, N = 4 + args.num_steps, args.local_num_envs
     rows = np.broadcast_to((100.0 * np.arange(N) + np.arange(T)[:, None])[..., None], (T, N, 4)).astype(np.float32)
-    storage = r2d2.Rollout(obs=rows, actions=np.zeros((T, N), np.int32), rewards=np.ones((T, N), np.float32),
-                           terminations=np.zeros((T, N), np.float32), truncations=np.zeros((T, N), np.float32),
-                           valid=np.ones((T, N), bool), episode_starts=np.zeros((T, N), bool),
-                           start_cells=np.zeros((2, N, 8), np.float32), start_hiddens=np.zeros((2, N, 8), np.float32))
+    storage = r2d2.Rollout(
+        obs=rows,
+        actions=np.zeros((T, N), np.int32),
+        rewards=np.ones((T, N), np.float32),
+        terminations=np.zeros((T, N), np.float32),
+        truncations=np.zeros((T, N), np.float32),
+        valid=np.ones((T, N), bool),
+        episode_starts=np.zeros((T, N), bool),
+        start_cells=np.zeros((2, N, 8), np.float32),
+        start_hiddens=np.zeros((2, N, 8), np.float32),
+    )
     storage = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "batch"))), storage)
-    state, replay, metrics, key = learner.update(state, replay, storage, key, True)
+    key = state.key
+    state, metrics = learner.update(state, storage, True)
+    replay = state.replay
     for device in range(2):
         obs = np.asarray(replay.experience.obs.addressable_shards[device].data)[0, :4, :, 0]  # 4 stored sequences
         envs = sorted(set((obs // 100).astype(int).ravel()))
@@ -280,22 +429,43 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
         assert sorted(obs[:, 0] % 100) == [0, 0, 4, 4]  # two overlapping sequences of each env
     nodes = np.asarray(replay.sum_tree_state.nodes.addressable_shards[0].data)
     assert np.isfinite(metrics["losses/td_loss"]) and not np.allclose(nodes[nodes > 0], 1.0)
+    assert metrics["stats/gradient_steps"] == args.gradient_steps == 2  # --replay-ratio x batch, and the next key
+    assert not np.array_equal(jax.random.key_data(state.key), jax.random.key_data(key))
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--burn-in", "80"], "--burn-in (80) must be less than --sequence-length - 1 (79)"),
-    (["--sequence-length", "160"], "--num-steps (80) must be a multiple of --sequence-length / 2 (80) and at least"),
-    (["--num-steps", "100"], "--num-steps (100) must be a multiple of --sequence-length / 2 (40)"),
-    (["--sequence-length", "81"], "--sequence-length (81) must be even"),
-    (["--core", "gru"], "--core must be one of lstm, feedforward"),
-    (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (10240) must be a positive whole"),
-    (["--buffer-size", "400"], "--buffer-size (400) must hold the sequences of one update and one minibatch"),
-    (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1'"),
-    (["--target-update-period", str(2**31)], f"--target-update-period must be in [1, {2**31 - 1}], got {2**31}"),
-    (["--n-step", "50", "--sequence-length", "8", "--burn-in", "2"],
-     "--n-step (50) must be at most --sequence-length - 1 - --burn-in (5): no learned step"),
-], ids=["burn-in", "sequence-over-rollout", "rollout-not-multiple", "odd-sequence", "core", "ratio-fraction",
-        "buffer-small", "continuous", "target-period-over-int32", "n-step-over-sequence"])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--burn-in", "80"], "--burn-in (80) must be less than --sequence-length - 1 (79)"),
+        (
+            ["--sequence-length", "160"],
+            "--num-steps (80) must be a multiple of --sequence-length / 2 (80) and at least",
+        ),
+        (["--num-steps", "100"], "--num-steps (100) must be a multiple of --sequence-length / 2 (40)"),
+        (["--sequence-length", "81"], "--sequence-length (81) must be even"),
+        (["--core", "gru"], "invalid choice 'gru' for argument '--core'. Expected one of ('lstm', 'feedforward')"),
+        (["--replay-ratio", "0.001"], "--replay-ratio (0.001) x env steps per update (10240) must be a positive whole"),
+        (["--buffer-size", "400"], "--buffer-size (400) must hold the sequences of one update and one minibatch"),
+        (["--env-id", "Pendulum-v1"], "--env-id 'Pendulum-v1'"),
+        (["--target-update-period", str(2**31)], f"--target-update-period must be in [1, {2**31 - 1}], got {2**31}"),
+        (
+            ["--n-step", "50", "--sequence-length", "8", "--burn-in", "2"],
+            "--n-step (50) must be at most --sequence-length - 1 - --burn-in (5): no learned step",
+        ),
+    ],
+    ids=[
+        "burn-in",
+        "sequence-over-rollout",
+        "rollout-not-multiple",
+        "odd-sequence",
+        "core",
+        "ratio-fraction",
+        "buffer-small",
+        "continuous",
+        "target-period-over-int32",
+        "n-step-over-sequence",
+    ],
+)
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         r2d2.run_cli(r2d2.main, r2d2.Args, ["--env-id", "CartPole-v1", *flags])
@@ -323,19 +493,29 @@ def runs(tmp_path_factory):
     whose saved (recurrent) model process 0 evaluates."""
     workdir = tmp_path_factory.mktemp("r2d2")
     result = {}
-    layouts = {name: start([*TINY_BREAKOUT, "--actor-device-ids", "0", "--learner-device-ids", *ids,
-                            "--total-timesteps", "384"], workdir, f"layout-{name.replace(',', '-')}")
-               for name, ids in LAYOUTS.items()}
+    layouts = {
+        name: start(
+            [*TINY_BREAKOUT, "--actor-device-ids", "0", "--learner-device-ids", *ids, "--total-timesteps", "384"],
+            workdir,
+            f"layout-{name.replace(',', '-')}",
+        )
+        for name, ids in LAYOUTS.items()
+    }
     try:
         for name, process in layouts.items():
             result[name] = finish_script(process, workdir, f"layout-{name.replace(',', '-')}")
     finally:
         for process in layouts.values():
             process.kill()
-    result.update(same_seed_and_resumed_runs(
-        tmp_path_factory, "r2d2_resumed", start,
-        flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],  # 8 updates: 2 fill the replay, 6 learn
-        long=[*TINY, "--total-timesteps", "384", "--seed", "3"]))  # 12 updates: SIGTERM after the 4th
+    result.update(
+        same_seed_and_resumed_runs(
+            tmp_path_factory,
+            "r2d2_resumed",
+            start,
+            flags=[*TINY, "--total-timesteps", "256", "--seed", "3"],  # 8 updates: 2 fill the replay, 6 learn
+            long=[*TINY, "--total-timesteps", "384", "--seed", "3"],
+        )
+    )  # 12 updates: SIGTERM after the 4th
     two = [*TINY, "--total-timesteps", "256", "--save-model", "--eval-episodes", "2", "--checkpoint-frequency", "1"]
     result["two"] = finish_processes(start_processes(two, workdir, 2, run_name="two", script=R2D2_SCRIPT))
     result.update(resumes_on_other_layouts(tmp_path_factory, "r2d2", R2D2_SCRIPT, two, workdir / "runs" / "two"))
@@ -346,11 +526,25 @@ def final_digests(out: str) -> tuple:
     return DIGESTS.search(out.split("final ")[-1]).groups()
 
 
-TAGS = ["charts/SPS", "losses/td_loss", "losses/q_values", "losses/abs_td", "losses/priority",
-        "losses/importance_weight", "stats/gradient_steps", "stats/params_queue_get_time", "stats/rollout_time",
-        "stats/inference_time", "stats/env_step_time", "stats/storage_time", "stats/rollout_queue_put_time",
-        "stats/rollout_queue_get_time", "stats/training_time", "stats/actor_policy_version",
-        "stats/learner_policy_version"]
+TAGS = [
+    "charts/SPS",
+    "losses/td_loss",
+    "losses/q_values",
+    "losses/abs_td",
+    "losses/priority",
+    "losses/importance_weight",
+    "stats/gradient_steps",
+    "stats/params_queue_get_time",
+    "stats/rollout_time",
+    "stats/inference_time",
+    "stats/env_step_time",
+    "stats/storage_time",
+    "stats/rollout_queue_put_time",
+    "stats/rollout_queue_get_time",
+    "stats/training_time",
+    "stats/actor_policy_version",
+    "stats/learner_policy_version",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -415,11 +609,48 @@ def test_a_replay_with_a_priority_tree_per_device_resumes_on_as_many_and_on_othe
 # (32 gradient steps per update of 512 env steps), 2048 env steps before learning, a replay that keeps the whole
 # run (with the last 40k steps only, plain CartPole forgot: 417 at 56k, 210 at 100k); returns of the actors (the
 # Ape-X epsilons, 0.4 down to 0.4^8, included), logged every 5120 env steps
-CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "16", "--num-actor-threads", "1", "--num-steps", "32",
-            "--sequence-length", "32", "--burn-in", "8", "--n-step", "3", "--gamma", "0.99", "--lstm-size", "64",
-            "--hiddens", "64", "--minibatch-size", "64", "--buffer-size", "160000", "--learning-starts", "2048",
-            "--learning-rate", "5e-4", "--target-update-period", "200", "--replay-ratio", "0.0625",
-            "--log-frequency", "10", "--checkpoint-frequency", "0", "--actor-device-ids", "0", "--learner-device-ids", "1"]
+CARTPOLE = [
+    "--env-id",
+    "CartPole-v1",
+    "--local-num-envs",
+    "16",
+    "--num-actor-threads",
+    "1",
+    "--num-steps",
+    "32",
+    "--sequence-length",
+    "32",
+    "--burn-in",
+    "8",
+    "--n-step",
+    "3",
+    "--gamma",
+    "0.99",
+    "--lstm-size",
+    "64",
+    "--hiddens",
+    "64",
+    "--minibatch-size",
+    "64",
+    "--buffer-size",
+    "160000",
+    "--learning-starts",
+    "2048",
+    "--learning-rate",
+    "5e-4",
+    "--target-update-period",
+    "200",
+    "--replay-ratio",
+    "0.0625",
+    "--log-frequency",
+    "10",
+    "--checkpoint-frequency",
+    "0",
+    "--actor-device-ids",
+    "0",
+    "--learner-device-ids",
+    "1",
+]
 VELOCITIES = "1,3"  # CartPole's observation: cart position, cart velocity, pole angle, pole angular velocity
 
 
@@ -432,8 +663,11 @@ def returns_of(run: Run) -> list[tuple[int, float]]:
 def best_window(returns: list[tuple[int, float]], env_steps: int) -> float:
     """The best mean of the values logged within `env_steps` consecutive env steps: what a run "reaches" (the PPO
     CartPole test takes the best single value; Q-learning on CartPole oscillates, so a window is the stricter claim)."""
-    return max(np.mean([v for s, v in returns if start <= s < start + env_steps]) for start, _ in returns
-               if start + env_steps <= returns[-1][0] + 1)
+    return max(
+        np.mean([v for s, v in returns if start <= s < start + env_steps])
+        for start, _ in returns
+        if start + env_steps <= returns[-1][0] + 1
+    )
 
 
 def early(returns: list[tuple[int, float]]) -> float:
@@ -452,8 +686,10 @@ def masked_runs(tmp_path_factory):
     lstm = start(flags, workdir, "lstm", mask=VELOCITIES)
     feedforward = start([*flags, "--core", "feedforward"], workdir, "feedforward", mask=VELOCITIES)
     try:
-        return {"lstm": finish_script(lstm, workdir, "lstm", timeout=900),
-                "feedforward": finish_script(feedforward, workdir, "feedforward", timeout=900)}
+        return {
+            "lstm": finish_script(lstm, workdir, "lstm", timeout=900),
+            "feedforward": finish_script(feedforward, workdir, "feedforward", timeout=900),
+        }
     finally:
         lstm.kill()
         feedforward.kill()
@@ -481,8 +717,12 @@ def test_cartpole_reaches_400(workdir):
     16 (burn-in 4), half those of the masked runs: without hidden state to infer they suffice, and cost half. The
     seed's run differs between processors (XLA's CPU code): the best window passed 400 by 80k on one machine; on
     another it sat at 376 from 50k to 100k, then 402 by 110k and 417 by 120k."""
-    run = run_script([*CARTPOLE, "--num-steps", "16", "--sequence-length", "16", "--burn-in", "4",
-                      "--total-timesteps", "120000"], workdir, script=R2D2_SCRIPT, timeout=900)
+    run = run_script(
+        [*CARTPOLE, "--num-steps", "16", "--sequence-length", "16", "--burn-in", "4", "--total-timesteps", "120000"],
+        workdir,
+        script=R2D2_SCRIPT,
+        timeout=900,
+    )
     returns = returns_of(run)
     assert early(returns) < 100, returns[:20]  # 43: the first few episodes are long and few
     assert best_window(returns, 10_000) >= 400, returns[::10]
