@@ -32,10 +32,19 @@ def read(path: str, rev: str | None) -> str:
 def shape(source: str) -> dict:
     tree = ast.parse(source)
     lines = {node.name: node.end_lineno - node.lineno + 1 for node in tree.body if hasattr(node, "name")}
-    imported = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
-                and (node.module or "").startswith("cleanrl_utils") for alias in node.names]
-    return {"lines": len(source.splitlines()), "main": lines.get("main"), "Args": lines.get("Args"),
-            "rollout": lines.get("rollout"), "cleanrl_utils names": len(imported)}
+    imported = [
+        alias.name
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
+        for alias in node.names
+    ]
+    return {
+        "lines": len(source.splitlines()),
+        "main": lines.get("main"),
+        "Args": lines.get("Args"),
+        "rollout": lines.get("rollout"),
+        "cleanrl_utils names": len(imported),
+    }
 
 
 def main():
@@ -52,13 +61,21 @@ def main():
         for a, b in PAIRS:
             diff = subprocess.run(["diff", f"{folder}/{a}", f"{folder}/{b}"], capture_output=True, text=True).stdout
             print(f"diff {a} {b} | wc -l: {len(diff.splitlines())}")
-    listing = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev or "HEAD", "cleanrl_utils"], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.split()
+    listing = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev or "HEAD", "cleanrl_utils"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if rev is None:
         listing = [str(path.relative_to(REPO)) for path in sorted((REPO / "cleanrl_utils").rglob("*.py"))]
     modules = {path: len(read(path, rev).splitlines()) for path in listing if path.endswith(".py")}
-    print("cleanrl_utils: " + ", ".join(f"{Path(path).relative_to('cleanrl_utils')} {n}" for path, n in modules.items())
-          + f" (total {sum(modules.values())})")
+    print(
+        "cleanrl_utils: "
+        + ", ".join(f"{Path(path).relative_to('cleanrl_utils')} {n}" for path, n in modules.items())
+        + f" (total {sum(modules.values())})"
+    )
 
 
 if __name__ == "__main__":

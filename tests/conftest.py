@@ -29,40 +29,16 @@ SUBPROCESS_WARNINGS = (
     "error::DeprecationWarning,ignore::DeprecationWarning:tensorflow_probability.python.internal.backend.jax.ops"
 )
 # tiny Atari settings: a few updates of a 4-channel IMPALA CNN on Breakout-v5
-TINY_BREAKOUT = [
-    "--env-id",
-    "Breakout-v5",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "8",
-    "--channels",
-    "4",
-    "--hiddens",
-    "16",
-    "--num-minibatches",
-    "2",
-    "--log-frequency",
-    "1",
-]
+TINY_BREAKOUT = (
+    "--env-id Breakout-v5 --local-num-envs 4 --num-steps 8 --channels 4 --hiddens 16 --num-minibatches "
+    "2 --log-frequency 1"
+).split()
 TINY_BREAKOUT_PPO = [*TINY_BREAKOUT, "--update-epochs", "1"]
 # tiny MuJoCo settings: a few updates of 8-unit MLPs on HalfCheetah-v4
-TINY_HALFCHEETAH = [
-    "--env-id",
-    "HalfCheetah-v4",
-    "--local-num-envs",
-    "2",
-    "--num-steps",
-    "16",
-    "--hiddens",
-    "8",
-    "--num-minibatches",
-    "2",
-    "--update-epochs",
-    "2",
-    "--log-frequency",
-    "1",
-]
+TINY_HALFCHEETAH = (
+    "--env-id HalfCheetah-v4 --local-num-envs 2 --num-steps 16 --hiddens 8 --num-minibatches 2 "
+    "--update-epochs 2 --log-frequency 1"
+).split()
 
 
 def load_script(path: Path = PPO_SCRIPT):
@@ -314,19 +290,7 @@ def workdir(tmp_path) -> Path:
 
 
 # PPO on CartPole-v1 as in the README: CleanRL's classic-control network (two 64-unit tanh layers), clip 0.2
-CARTPOLE_PPO = [
-    "--env-id",
-    "CartPole-v1",
-    "--num-steps",
-    "128",
-    "--hiddens",
-    "64",
-    "64",
-    "--clip-coef",
-    "0.2",
-    "--learning-rate",
-    "1e-3",
-]
+CARTPOLE_PPO = "--env-id CartPole-v1 --num-steps 128 --hiddens 64 64 --clip-coef 0.2 --learning-rate 1e-3".split()
 CARTPOLE_LEARNING = [
     *CARTPOLE_PPO,
     "--num-actor-threads",

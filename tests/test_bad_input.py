@@ -14,20 +14,9 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import INT32_MAX, check_int32_counts
 
 # tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches
-TINY_CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "32",
-    "--num-actor-threads",
-    "1",
-    "--hiddens",
-    "8",
-    "--checkpoint-frequency",
-    "0",
-]
+TINY_CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --num-actor-threads 1 --hiddens 8 --checkpoint-frequency 0"
+).split()
 
 CASES = {
     "zero envs": (["--local-num-envs", "0"], "--local-num-envs must be a positive integer"),
@@ -78,15 +67,7 @@ CASES = {
     "exp name with a slash": (["--exp-name", "a/b", "--save-model"], "--exp-name must be one folder name"),
     "process id without distributed": (["--process-id", "1"], "--process-id needs --distributed"),
     "unresolvable coordinator": (
-        [
-            "--distributed",
-            "--coordinator-address",
-            "no-such-host.invalid:1234",
-            "--num-processes",
-            "2",
-            "--process-id",
-            "0",
-        ],
+        ("--distributed --coordinator-address no-such-host.invalid:1234 --num-processes 2 --process-id 0").split(),
         "--coordinator-address no-such-host.invalid:1234: cannot resolve 'no-such-host.invalid'",
     ),
     "process id out of range": (
@@ -167,94 +148,27 @@ def test_muzero_bad_input_is_one_clear_line(workdir, flags, message):
 TINY_REPLAY = {
     "sac": (
         SAC_SCRIPT,
-        [
-            "--env-id",
-            "Pendulum-v1",
-            "--local-num-envs",
-            "4",
-            "--num-actor-threads",
-            "1",
-            "--num-steps",
-            "8",
-            "--hiddens",
-            "16",
-            "--minibatch-size",
-            "16",
-            "--learning-starts",
-            "0",
-            "--replay-ratio",
-            "0.25",
-            "--learner-device-ids",
-            "1",
-            "--checkpoint-frequency",
-            "0",
-        ],
+        (
+            "--env-id Pendulum-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 16 "
+            "--minibatch-size 16 --learning-starts 0 --replay-ratio 0.25 --learner-device-ids 1 "
+            "--checkpoint-frequency 0"
+        ).split(),
     ),
     "r2d2": (
         R2D2_SCRIPT,
-        [
-            "--env-id",
-            "CartPole-v1",
-            "--local-num-envs",
-            "4",
-            "--num-actor-threads",
-            "1",
-            "--num-steps",
-            "8",
-            "--sequence-length",
-            "8",
-            "--burn-in",
-            "2",
-            "--n-step",
-            "2",
-            "--lstm-size",
-            "8",
-            "--hiddens",
-            "16",
-            "--minibatch-size",
-            "4",
-            "--learning-starts",
-            "0",
-            "--replay-ratio",
-            "0.0625",
-            "--learner-device-ids",
-            "1",
-            "--checkpoint-frequency",
-            "0",
-        ],
+        (
+            "--env-id CartPole-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 "
+            "--sequence-length 8 --burn-in 2 --n-step 2 --lstm-size 8 --hiddens 16 --minibatch-size 4 "
+            "--learning-starts 0 --replay-ratio 0.0625 --learner-device-ids 1 --checkpoint-frequency 0"
+        ).split(),
     ),
     "muzero": (
         MUZERO_SCRIPT,
-        [
-            "--env-id",
-            "CartPole-v1",
-            "--local-num-envs",
-            "4",
-            "--num-actor-threads",
-            "1",
-            "--num-steps",
-            "8",
-            "--hiddens",
-            "16",
-            "--embedding-size",
-            "8",
-            "--support-size",
-            "5",
-            "--num-simulations",
-            "4",
-            "--unroll-steps",
-            "3",
-            "--td-steps",
-            "3",
-            "--minibatch-size",
-            "8",
-            "--replay-ratio",
-            "0.125",
-            "--learner-device-ids",
-            "1",
-            "--checkpoint-frequency",
-            "0",
-        ],
+        (
+            "--env-id CartPole-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 16 "
+            "--embedding-size 8 --support-size 5 --num-simulations 4 --unroll-steps 3 --td-steps 3 "
+            "--minibatch-size 8 --replay-ratio 0.125 --learner-device-ids 1 --checkpoint-frequency 0"
+        ).split(),
     ),
 }
 

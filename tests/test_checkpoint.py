@@ -18,28 +18,11 @@ from test_utils import TinyArgs, checkpoints_of, restore_values, save_values
 from cleanrl_utils.checkpoints import CheckpointError, tree_digest
 
 # 12 updates of 128 steps; a checkpoint every 3 updates, the 2 newest kept
-CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "32",
-    "--hiddens",
-    "16",
-    "--num-actor-threads",
-    "2",
-    "--learner-device-ids",
-    "1",
-    "--total-timesteps",
-    "3072",
-    "--checkpoint-frequency",
-    "3",
-    "--checkpoint-keep",
-    "2",
-    "--log-frequency",
-    "1",
-]
+CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --hiddens 16 --num-actor-threads 2 "
+    "--learner-device-ids 1 --total-timesteps 3072 --checkpoint-frequency 3 --checkpoint-keep 2 "
+    "--log-frequency 1"
+).split()
 SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
 RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
 FINAL = re.compile(r"final params sha256=([0-9a-f]{64})")

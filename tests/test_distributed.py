@@ -6,22 +6,10 @@ import time
 
 from conftest import CARTPOLE_LEARNING, finish_processes, read_scalars, run_script, start_processes, wait_for_line
 
-CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--num-steps",
-    "32",
-    "--hiddens",
-    "16",
-    "--num-actor-threads",
-    "1",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--log-frequency",
-    "1",
-]
+CARTPOLE = (
+    "--env-id CartPole-v1 --num-steps 32 --hiddens 16 --num-actor-threads 1 --actor-device-ids 0 "
+    "--learner-device-ids 1 --log-frequency 1"
+).split()
 DIGEST = re.compile(r"process (\d): final params sha256=([0-9a-f]{64})")
 
 

@@ -17,29 +17,8 @@ from cleanrl_utils import envs as env_families
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import check_capture_video, load_script
 
-TINY_IMAGE = [
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "8",
-    "--num-minibatches",
-    "2",
-    "--channels",
-    "4",
-    "--hiddens",
-    "16",
-]
-TINY_RUN = [
-    "--num-actor-threads",
-    "1",
-    "--total-timesteps",
-    "96",
-    "--log-frequency",
-    "1",
-    "--save-model",
-    "--eval-episodes",
-    "1",
-]
+TINY_IMAGE = "--local-num-envs 4 --num-steps 8 --num-minibatches 2 --channels 4 --hiddens 16".split()
+TINY_RUN = "--num-actor-threads 1 --total-timesteps 96 --log-frequency 1 --save-model --eval-episodes 1".split()
 # family -> (script, example id, tiny flags): IMPALA on MiniGrid, Procgen and Football, PPO on VizDoom (with
 # --env-options, which the saved model's evaluation must rebuild: it fails on 84x84x12 frames otherwise), MuJoCo PPO
 # on dm_control; the learning tests below run the same checks on longer runs
@@ -55,18 +34,7 @@ FAMILY_RUNS = {
     "dm_control": (
         MUJOCO_SCRIPT,
         "CartpoleBalance-v1",
-        [
-            "--local-num-envs",
-            "2",
-            "--num-steps",
-            "16",
-            "--hiddens",
-            "8",
-            "--num-minibatches",
-            "2",
-            "--update-epochs",
-            "1",
-        ],
+        "--local-num-envs 2 --num-steps 16 --hiddens 8 --num-minibatches 2 --update-epochs 1".split(),
     ),
 }
 
@@ -377,27 +345,10 @@ def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     trained, random = trained_and_random_returns(
         tmp_path,
         "MiniGrid-Empty-5x5-v0",
-        [
-            "--local-num-envs",
-            "16",
-            "--num-steps",
-            "32",
-            "--num-minibatches",
-            "4",
-            "--update-epochs",
-            "4",
-            "--learning-rate",
-            "1e-3",
-            "--hiddens",
-            "64",
-            "64",
-            "--total-timesteps",
-            "61440",
-            "--log-frequency",
-            "10",
-            "--eval-episodes",
-            "16",
-        ],
+        (
+            "--local-num-envs 16 --num-steps 32 --num-minibatches 4 --update-epochs 4 --learning-rate "
+            "1e-3 --hiddens 64 64 --total-timesteps 61440 --log-frequency 10 --eval-episodes 16"
+        ).split(),
         random_episodes=200,
     )
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
@@ -425,29 +376,11 @@ def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     trained, random = trained_and_random_returns(
         tmp_path,
         "gfootball/academy_empty_goal_close-v1",
-        [
-            "--local-num-envs",
-            "16",
-            "--num-steps",
-            "32",
-            "--num-minibatches",
-            "4",
-            "--update-epochs",
-            "2",
-            "--learning-rate",
-            "1e-3",
-            "--channels",
-            "4",
-            "--hiddens",
-            "32",
-            "--total-timesteps",
-            "10240",
-            "--log-frequency",
-            "8",
-            "--eval-episodes",
-            "16",
-            "--eval-greedy",
-        ],
+        (
+            "--local-num-envs 16 --num-steps 32 --num-minibatches 4 --update-epochs 2 --learning-rate "
+            "1e-3 --channels 4 --hiddens 32 --total-timesteps 10240 --log-frequency 8 --eval-episodes "
+            "16 --eval-greedy"
+        ).split(),
     )
     assert trained > random + 0.4, (trained, random)
 
@@ -461,29 +394,11 @@ def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     trained, random = trained_and_random_returns(
         tmp_path,
         "DefendTheCenter-v1",
-        [
-            "--local-num-envs",
-            "16",
-            "--num-steps",
-            "32",
-            "--num-minibatches",
-            "4",
-            "--update-epochs",
-            "2",
-            "--learning-rate",
-            "1e-3",
-            "--channels",
-            "4",
-            "--hiddens",
-            "32",
-            "--total-timesteps",
-            "16384",
-            "--log-frequency",
-            "8",
-            "--eval-episodes",
-            "16",
-            "--eval-greedy",
-        ],
+        (
+            "--local-num-envs 16 --num-steps 32 --num-minibatches 4 --update-epochs 2 --learning-rate "
+            "1e-3 --channels 4 --hiddens 32 --total-timesteps 16384 --log-frequency 8 --eval-episodes "
+            "16 --eval-greedy"
+        ).split(),
         env_options=("img_height=30", "img_width=45", "stack_num=1"),
     )
     assert trained > random + 1.5, (trained, random)  # one and a half kills more per episode
@@ -497,28 +412,11 @@ def test_ppo_learns_procgen_bigfish_on_one_level(tmp_path):
     trained, random = trained_and_random_returns(
         tmp_path,
         "BigfishEasy-v0",
-        [
-            "--local-num-envs",
-            "64",
-            "--num-steps",
-            "16",
-            "--num-minibatches",
-            "4",
-            "--update-epochs",
-            "2",
-            "--learning-rate",
-            "2e-3",
-            "--channels",
-            "4",
-            "--hiddens",
-            "32",
-            "--total-timesteps",
-            "24576",
-            "--log-frequency",
-            "8",
-            "--eval-episodes",
-            "32",
-        ],
+        (
+            "--local-num-envs 64 --num-steps 16 --num-minibatches 4 --update-epochs 2 --learning-rate "
+            "2e-3 --channels 4 --hiddens 32 --total-timesteps 24576 --log-frequency 8 --eval-episodes "
+            "32"
+        ).split(),
         env_options=("num_levels=1", "use_backgrounds=False", "restrict_themes=True", "use_monochrome_assets=True"),
     )
     assert trained > random + 0.4, (trained, random)

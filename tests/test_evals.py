@@ -23,24 +23,10 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals import evaluate as evaluate_module
 from cleanrl_utils.evals.evaluate import evaluate, run_episodes
 
-TINY_CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "32",
-    "--num-actor-threads",
-    "1",
-    "--hiddens",
-    "8",
-    "--total-timesteps",
-    "256",
-    "--checkpoint-frequency",
-    "0",
-    "--exp-name",
-    "tiny",
-]
+TINY_CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --num-actor-threads 1 --hiddens 8 "
+    "--total-timesteps 256 --checkpoint-frequency 0 --exp-name tiny"
+).split()
 SCRIPT_STEM = PPO_SCRIPT.stem
 
 

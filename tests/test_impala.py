@@ -168,25 +168,10 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
         assert change > 1e-3, change
 
 
-CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "8",
-    "--num-steps",
-    "20",
-    "--num-minibatches",
-    "1",
-    "--hiddens",
-    "64",
-    "64",
-    "--learning-rate",
-    "1e-3",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-]
+CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 8 --num-steps 20 --num-minibatches 1 --hiddens 64 64 "
+    "--learning-rate 1e-3 --actor-device-ids 0 --learner-device-ids 1"
+).split()
 
 
 def test_cartpole_reaches_300_within_200k_steps(workdir):

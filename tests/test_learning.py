@@ -30,14 +30,10 @@ def test_same_seed_same_run(workdir):
     first, second = run_script(flags, workdir, "first"), run_script(flags, workdir, "second")
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = first.scalars(), second.scalars()
-    for tag in [
-        "losses/loss",
-        "losses/policy_loss",
-        "losses/value_loss",
-        "losses/approx_kl",
-        "charts/avg_episodic_return",
-        "charts/avg_episodic_length",
-    ]:
+    for tag in (
+        "losses/loss losses/policy_loss losses/value_loss losses/approx_kl charts/avg_episodic_return "
+        "charts/avg_episodic_length"
+    ).split():
         assert a[tag] == b[tag], tag
     other_seed = run_script([*flags[:-1], "8"], workdir, "other")
     assert other_seed.scalars()["losses/loss"] != a["losses/loss"]

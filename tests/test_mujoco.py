@@ -332,20 +332,11 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
         (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
         (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch (2048 ="),
     ],
-    ids=[
-        "env-option",
-        "atari",
-        "unknown",
-        "negative-device",
-        "duplicate-device",
-        "device-out-of-range",
-        "hiddens",
-        "envs-split",
-        "infinite-learning-rate",
-        "negative-entropy-coefficient",
-        "lambda-above-one",
-        "below-one-batch",
-    ],
+    ids=(
+        "env-option atari unknown negative-device duplicate-device device-out-of-range hiddens "
+        "envs-split infinite-learning-rate negative-entropy-coefficient lambda-above-one "
+        "below-one-batch"
+    ).split(),
 )
 def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, message):
     # in this process (4 host devices, set by conftest): main() must stop with exit code 2 before it starts a run
@@ -360,28 +351,11 @@ def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, messag
 
 # InvertedPendulum-v4, a0-l1: 40 updates of 1 actor thread x 8 envs x 128 steps, 16 minibatches (of 64, as the PPO
 # paper's Table 3); every other hyperparameter is the script's default
-PENDULUM_LEARNING = [
-    "--env-id",
-    "InvertedPendulum-v4",
-    "--num-actor-threads",
-    "1",
-    "--local-num-envs",
-    "8",
-    "--num-steps",
-    "128",
-    "--num-minibatches",
-    "16",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--total-timesteps",
-    "40960",
-    "--log-frequency",
-    "10",
-    "--checkpoint-frequency",
-    "0",
-]
+PENDULUM_LEARNING = (
+    "--env-id InvertedPendulum-v4 --num-actor-threads 1 --local-num-envs 8 --num-steps 128 "
+    "--num-minibatches 16 --actor-device-ids 0 --learner-device-ids 1 --total-timesteps 40960 "
+    "--log-frequency 10 --checkpoint-frequency 0"
+).split()
 
 
 def test_inverted_pendulum_balances_within_41k_steps(workdir):

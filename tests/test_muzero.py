@@ -29,74 +29,18 @@ muzero = load_script(MUZERO_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
 # tiny CartPole settings: 1 actor thread x 4 envs x 8 steps = 32 env steps per update, 16-unit MLPs, 4 simulations
-TINY = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-actor-threads",
-    "1",
-    "--num-steps",
-    "8",
-    "--hiddens",
-    "16",
-    "--embedding-size",
-    "8",
-    "--support-size",
-    "5",
-    "--num-simulations",
-    "4",
-    "--unroll-steps",
-    "3",
-    "--td-steps",
-    "3",
-    "--minibatch-size",
-    "8",
-    "--buffer-size",
-    "512",
-    "--replay-ratio",
-    "0.125",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--log-frequency",
-    "1",
-]
+TINY = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 16 "
+    "--embedding-size 8 --support-size 5 --num-simulations 4 --unroll-steps 3 --td-steps 3 "
+    "--minibatch-size 8 --buffer-size 512 --replay-ratio 0.125 --actor-device-ids 0 "
+    "--learner-device-ids 1 --log-frequency 1"
+).split()
 # tiny Breakout: 4-channel torso, one residual block per function, 4 simulations
-TINY_BREAKOUT = [
-    "--env-id",
-    "Breakout-v5",
-    "--local-num-envs",
-    "2",
-    "--num-steps",
-    "8",
-    "--channels",
-    "4",
-    "4",
-    "--num-blocks",
-    "1",
-    "--hiddens",
-    "16",
-    "--support-size",
-    "5",
-    "--num-simulations",
-    "4",
-    "--max-num-considered-actions",
-    "4",
-    "--unroll-steps",
-    "2",
-    "--td-steps",
-    "2",
-    "--minibatch-size",
-    "4",
-    "--buffer-size",
-    "256",
-    "--replay-ratio",
-    "0.0625",
-    "--log-frequency",
-    "1",
-]
+TINY_BREAKOUT = (
+    "--env-id Breakout-v5 --local-num-envs 2 --num-steps 8 --channels 4 4 --num-blocks 1 --hiddens 16 "
+    "--support-size 5 --num-simulations 4 --max-num-considered-actions 4 --unroll-steps 2 --td-steps 2 "
+    "--minibatch-size 4 --buffer-size 256 --replay-ratio 0.0625 --log-frequency 1"
+).split()
 
 
 def args_for(num_learner_devices: int, **flags) -> "muzero.Args":
@@ -416,15 +360,10 @@ def test_breakout_runs_in_the_usual_layouts(runs, layout):
     run = runs["breakout"][layout]
     assert run.returncode == 0, run.stderr[-3000:]
     scalars = run.scalars()
-    for tag in [
-        "losses/policy_loss",
-        "losses/value_loss",
-        "losses/reward_loss",
-        "charts/SPS",
-        "stats/actor_policy_version",
-        "stats/learner_policy_version",
-        "stats/gradient_steps",
-    ]:
+    for tag in (
+        "losses/policy_loss losses/value_loss losses/reward_loss charts/SPS stats/actor_policy_version "
+        "stats/learner_policy_version stats/gradient_steps"
+    ).split():
         assert tag in scalars, tag
     actor, learner = dict(scalars["stats/actor_policy_version"]), dict(scalars["stats/learner_policy_version"])
     assert [learner[step] - actor[step] for step in sorted(actor)][1:] == [1] * (len(actor) - 1)
@@ -474,42 +413,12 @@ def test_bad_input_is_one_clear_line(flags, message, capsys):
 # state, 21 bins (values up to 100 at gamma 0.99: h(100) = 9.1), 8 simulations (both actions considered), 32 envs
 # x 8 steps per update, 32 gradient steps of 128 sequences per update, Adam 1e-3, a replay of the newest 256 steps
 # of each env (fresh stored root values for the bootstrap)
-CARTPOLE_MUZERO = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "32",
-    "--num-actor-threads",
-    "1",
-    "--num-steps",
-    "8",
-    "--hiddens",
-    "64",
-    "--embedding-size",
-    "32",
-    "--support-size",
-    "10",
-    "--gamma",
-    "0.99",
-    "--num-simulations",
-    "8",
-    "--max-num-considered-actions",
-    "2",
-    "--minibatch-size",
-    "128",
-    "--buffer-size",
-    "8192",
-    "--replay-ratio",
-    "0.125",
-    "--learning-rate",
-    "1e-3",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--checkpoint-frequency",
-    "0",
-]
+CARTPOLE_MUZERO = (
+    "--env-id CartPole-v1 --local-num-envs 32 --num-actor-threads 1 --num-steps 8 --hiddens 64 "
+    "--embedding-size 32 --support-size 10 --gamma 0.99 --num-simulations 8 "
+    "--max-num-considered-actions 2 --minibatch-size 128 --buffer-size 8192 --replay-ratio 0.125 "
+    "--learning-rate 1e-3 --actor-device-ids 0 --learner-device-ids 1 --checkpoint-frequency 0"
+).split()
 
 
 def test_cartpole_reaches_400(workdir):

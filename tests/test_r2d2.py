@@ -33,73 +33,18 @@ r2d2 = load_script(R2D2_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
 # tiny CartPole settings: 1 actor thread x 4 envs x 8 steps = 32 env steps per update, sequences of 8 (burn-in 2)
-TINY = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-actor-threads",
-    "1",
-    "--num-steps",
-    "8",
-    "--sequence-length",
-    "8",
-    "--burn-in",
-    "2",
-    "--n-step",
-    "2",
-    "--lstm-size",
-    "8",
-    "--hiddens",
-    "16",
-    "--minibatch-size",
-    "4",
-    "--buffer-size",
-    "256",
-    "--learning-starts",
-    "64",
-    "--replay-ratio",
-    "0.0625",
-    "--target-update-period",
-    "4",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--log-frequency",
-    "1",
-]
+TINY = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --sequence-length 8 "
+    "--burn-in 2 --n-step 2 --lstm-size 8 --hiddens 16 --minibatch-size 4 --buffer-size 256 "
+    "--learning-starts 64 --replay-ratio 0.0625 --target-update-period 4 --actor-device-ids 0 "
+    "--learner-device-ids 1 --log-frequency 1"
+).split()
 # tiny Breakout: a 4-channel IMPALA CNN and an 8-unit LSTM; 2 threads x 4 envs x 8 steps = 64 env steps per update
-TINY_BREAKOUT = [
-    "--env-id",
-    "Breakout-v5",
-    "--local-num-envs",
-    "4",
-    "--num-actor-threads",
-    "2",
-    "--num-steps",
-    "8",
-    "--sequence-length",
-    "8",
-    "--burn-in",
-    "2",
-    "--channels",
-    "4",
-    "--hiddens",
-    "16",
-    "--lstm-size",
-    "8",
-    "--minibatch-size",
-    "4",
-    "--buffer-size",
-    "512",
-    "--learning-starts",
-    "0",
-    "--replay-ratio",
-    "0.015625",
-    "--log-frequency",
-    "1",
-]
+TINY_BREAKOUT = (
+    "--env-id Breakout-v5 --local-num-envs 4 --num-actor-threads 2 --num-steps 8 --sequence-length 8 "
+    "--burn-in 2 --channels 4 --hiddens 16 --lstm-size 8 --minibatch-size 4 --buffer-size 512 "
+    "--learning-starts 0 --replay-ratio 0.015625 --log-frequency 1"
+).split()
 
 
 def args_for(num_learner_devices: int, **flags) -> "r2d2.Args":
@@ -453,18 +398,10 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
             "--n-step (50) must be at most --sequence-length - 1 - --burn-in (5): no learned step",
         ),
     ],
-    ids=[
-        "burn-in",
-        "sequence-over-rollout",
-        "rollout-not-multiple",
-        "odd-sequence",
-        "core",
-        "ratio-fraction",
-        "buffer-small",
-        "continuous",
-        "target-period-over-int32",
-        "n-step-over-sequence",
-    ],
+    ids=(
+        "burn-in sequence-over-rollout rollout-not-multiple odd-sequence core ratio-fraction "
+        "buffer-small continuous target-period-over-int32 n-step-over-sequence"
+    ).split(),
 )
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -526,25 +463,12 @@ def final_digests(out: str) -> tuple:
     return DIGESTS.search(out.split("final ")[-1]).groups()
 
 
-TAGS = [
-    "charts/SPS",
-    "losses/td_loss",
-    "losses/q_values",
-    "losses/abs_td",
-    "losses/priority",
-    "losses/importance_weight",
-    "stats/gradient_steps",
-    "stats/params_queue_get_time",
-    "stats/rollout_time",
-    "stats/inference_time",
-    "stats/env_step_time",
-    "stats/storage_time",
-    "stats/rollout_queue_put_time",
-    "stats/rollout_queue_get_time",
-    "stats/training_time",
-    "stats/actor_policy_version",
-    "stats/learner_policy_version",
-]
+TAGS = (
+    "charts/SPS losses/td_loss losses/q_values losses/abs_td losses/priority losses/importance_weight "
+    "stats/gradient_steps stats/params_queue_get_time stats/rollout_time stats/inference_time "
+    "stats/env_step_time stats/storage_time stats/rollout_queue_put_time stats/rollout_queue_get_time "
+    "stats/training_time stats/actor_policy_version stats/learner_policy_version"
+).split()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -609,48 +533,12 @@ def test_a_replay_with_a_priority_tree_per_device_resumes_on_as_many_and_on_othe
 # (32 gradient steps per update of 512 env steps), 2048 env steps before learning, a replay that keeps the whole
 # run (with the last 40k steps only, plain CartPole forgot: 417 at 56k, 210 at 100k); returns of the actors (the
 # Ape-X epsilons, 0.4 down to 0.4^8, included), logged every 5120 env steps
-CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "16",
-    "--num-actor-threads",
-    "1",
-    "--num-steps",
-    "32",
-    "--sequence-length",
-    "32",
-    "--burn-in",
-    "8",
-    "--n-step",
-    "3",
-    "--gamma",
-    "0.99",
-    "--lstm-size",
-    "64",
-    "--hiddens",
-    "64",
-    "--minibatch-size",
-    "64",
-    "--buffer-size",
-    "160000",
-    "--learning-starts",
-    "2048",
-    "--learning-rate",
-    "5e-4",
-    "--target-update-period",
-    "200",
-    "--replay-ratio",
-    "0.0625",
-    "--log-frequency",
-    "10",
-    "--checkpoint-frequency",
-    "0",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-]
+CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 16 --num-actor-threads 1 --num-steps 32 --sequence-length 32 "
+    "--burn-in 8 --n-step 3 --gamma 0.99 --lstm-size 64 --hiddens 64 --minibatch-size 64 --buffer-size "
+    "160000 --learning-starts 2048 --learning-rate 5e-4 --target-update-period 200 --replay-ratio "
+    "0.0625 --log-frequency 10 --checkpoint-frequency 0 --actor-device-ids 0 --learner-device-ids 1"
+).split()
 VELOCITIES = "1,3"  # CartPole's observation: cart position, cart velocity, pole angle, pole angular velocity
 
 

@@ -4,9 +4,9 @@ Faults are injected as a user's run meets them (tests/fault_injection.py, signal
 the cheap checks call the script's main() in this process, the others run it as a subprocess.
 """
 
-import os
 import dataclasses
 import inspect
+import os
 import re
 import shutil
 import signal
@@ -38,20 +38,9 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import settable_flags
 
 # 1 actor thread x 4 envs x 32 steps = 128 steps per update
-CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "32",
-    "--hiddens",
-    "16",
-    "--num-actor-threads",
-    "1",
-    "--log-frequency",
-    "1",
-]
+CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-steps 32 --hiddens 16 --num-actor-threads 1 --log-frequency 1"
+).split()
 DISTRIBUTED = [*CARTPOLE, "--actor-device-ids", "0", "--learner-device-ids", "1"]
 SCRIPTS = {
     "ppo": PPO_SCRIPT,

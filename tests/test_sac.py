@@ -27,32 +27,11 @@ sac = load_script(SAC_SCRIPT)
 
 DIGESTS = re.compile(r"params sha256=(\w+) optimizer sha256=(\w+) replay sha256=(\w+)")
 # tiny Pendulum settings: 1 actor thread x 4 envs x 8 steps = 32 env steps per update, 16-unit MLPs
-TINY = [
-    "--env-id",
-    "Pendulum-v1",
-    "--local-num-envs",
-    "4",
-    "--num-actor-threads",
-    "1",
-    "--num-steps",
-    "8",
-    "--hiddens",
-    "16",
-    "--minibatch-size",
-    "16",
-    "--buffer-size",
-    "512",
-    "--learning-starts",
-    "64",
-    "--replay-ratio",
-    "0.25",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-    "--log-frequency",
-    "1",
-]
+TINY = (
+    "--env-id Pendulum-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 16 "
+    "--minibatch-size 16 --buffer-size 512 --learning-starts 64 --replay-ratio 0.25 --actor-device-ids "
+    "0 --learner-device-ids 1 --log-frequency 1"
+).split()
 
 
 def args_for(num_learner_devices: int, **flags) -> "sac.Args":
@@ -353,15 +332,9 @@ def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
         (["--minibatch-size", "255", "--learner-device-ids", "0", "1"], "--minibatch-size (255) must be divisible"),
         (["--buffer-size", "200", "--minibatch-size", "8"], "--buffer-size (200) must hold at least --num-steps (32)"),
     ],
-    ids=[
-        "buffer-below-batch",
-        "ratio-zero",
-        "ratio-fraction",
-        "discrete",
-        "env-option",
-        "minibatch-devices",
-        "buffer-below-rollout",
-    ],
+    ids=(
+        "buffer-below-batch ratio-zero ratio-fraction discrete env-option minibatch-devices buffer-below-rollout"
+    ).split(),
 )
 def test_bad_input_is_one_clear_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -375,27 +348,11 @@ def test_pendulum_reaches_minus_250(workdir):
     average return of at least -250 (the issue's bar). CPU settings: 64x64 MLPs, replay ratio 0.5, 1024 steps of
     random actions; 12288 env steps (it reaches about -150 at 10k steps)."""
     run = run_script(
-        [
-            "--env-id",
-            "Pendulum-v1",
-            "--hiddens",
-            "64",
-            "64",
-            "--replay-ratio",
-            "0.5",
-            "--learning-starts",
-            "1024",
-            "--total-timesteps",
-            "12288",
-            "--log-frequency",
-            "8",
-            "--checkpoint-frequency",
-            "0",
-            "--actor-device-ids",
-            "0",
-            "--learner-device-ids",
-            "1",
-        ],
+        (
+            "--env-id Pendulum-v1 --hiddens 64 64 --replay-ratio 0.5 --learning-starts 1024 "
+            "--total-timesteps 12288 --log-frequency 8 --checkpoint-frequency 0 --actor-device-ids 0 "
+            "--learner-device-ids 1"
+        ).split(),
         workdir,
         script=SAC_SCRIPT,
         timeout=400,

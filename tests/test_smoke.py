@@ -7,28 +7,13 @@ import numpy as np
 import pytest
 from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, TINY_BREAKOUT, TINY_BREAKOUT_PPO, load_script, run_script
 
-TAGS = [
-    "charts/SPS",
-    "charts/avg_episodic_return",
-    "charts/avg_episodic_length",
-    "charts/learning_rate",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/approx_kl",
-    "losses/loss",
-    "stats/params_queue_get_time",
-    "stats/rollout_time",
-    "stats/inference_time",
-    "stats/env_step_time",
-    "stats/storage_time",
-    "stats/rollout_queue_put_time",
-    "stats/rollout_queue_get_time",
-    "stats/training_time",
-    "stats/actor_policy_version",
-    "stats/learner_policy_version",
-    "stats/peak_rss_mib",
-]
+TAGS = (
+    "charts/SPS charts/avg_episodic_return charts/avg_episodic_length charts/learning_rate "
+    "losses/policy_loss losses/value_loss losses/entropy losses/approx_kl losses/loss "
+    "stats/params_queue_get_time stats/rollout_time stats/inference_time stats/env_step_time "
+    "stats/storage_time stats/rollout_queue_put_time stats/rollout_queue_get_time stats/training_time "
+    "stats/actor_policy_version stats/learner_policy_version stats/peak_rss_mib"
+).split()
 
 
 def versions(scalars):
@@ -109,20 +94,10 @@ def test_no_concurrency_acts_with_the_latest_policy(workdir):
 def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
     # CartPole episodes are short, so the returns are checked against their definition: return == length
     run = run_script(
-        [
-            "--env-id",
-            "CartPole-v1",
-            "--local-num-envs",
-            "4",
-            "--num-steps",
-            "64",
-            "--num-actor-threads",
-            "1",
-            "--total-timesteps",
-            "1024",
-            "--hiddens",
-            "8",
-        ],
+        (
+            "--env-id CartPole-v1 --local-num-envs 4 --num-steps 64 --num-actor-threads 1 "
+            "--total-timesteps 1024 --hiddens 8"
+        ).split(),
         workdir,
     )
     assert run.returncode == 0, run.stderr

@@ -8,24 +8,10 @@ import sys
 import pytest
 from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, script_env
 
-TINY_CARTPOLE = [
-    "--env-id",
-    "CartPole-v1",
-    "--local-num-envs",
-    "4",
-    "--num-steps",
-    "16",
-    "--hiddens",
-    "8",
-    "--num-actor-threads",
-    "1",
-    "--num-minibatches",
-    "2",
-    "--actor-device-ids",
-    "0",
-    "--learner-device-ids",
-    "1",
-]
+TINY_CARTPOLE = (
+    "--env-id CartPole-v1 --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
+    "--num-minibatches 2 --actor-device-ids 0 --learner-device-ids 1"
+).split()
 
 
 @pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])

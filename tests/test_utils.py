@@ -360,14 +360,9 @@ def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, mon
         "returned_episode_lengths": np.array([3.0, np.nan]),
         **{
             name: 0.25
-            for name in [
-                "params_queue_get_time",
-                "rollout_time",
-                "inference_time",
-                "env_step_time",
-                "storage_time",
-                "rollout_queue_put_time",
-            ]
+            for name in (
+                "params_queue_get_time rollout_time inference_time env_step_time storage_time rollout_queue_put_time"
+            ).split()
         },
     }
     for update in [1, 2, 3]:
