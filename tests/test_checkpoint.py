@@ -52,6 +52,7 @@ def checkpoint_steps(workdir, run_name):
     return sorted(int(p.name) for p in (workdir / "runs" / run_name / "checkpoints").iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_then_the_same_command_resumes(workdir):
     returncode, seconds, out, err = interrupt(workdir, "run", CARTPOLE, after_update=5)
     assert returncode == 143, err  # 128 + SIGTERM: preempted, checkpoint written
@@ -107,6 +108,7 @@ def test_resume_needs_a_run_name(workdir):
     assert run.stderr.strip() == "error: --resume needs --run-name: the name of the run to continue"
 
 
+@pytest.mark.slow
 def test_truncated_and_foreign_checkpoints_are_rejected_with_one_line(workdir):
     finished = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")  # 3 updates: checkpoint 3
     assert finished.returncode == 0, finished.stderr
@@ -138,6 +140,7 @@ def test_truncated_and_foreign_checkpoints_are_rejected_with_one_line(workdir):
     assert "Traceback" not in truncated.stderr
 
 
+@pytest.mark.slow
 def test_an_unfinished_checkpoint_write_is_ignored(workdir):
     finished = run_script([*CARTPOLE, "--total-timesteps", "768"], workdir, "run")  # 3 updates, checkpoint 3
     assert finished.returncode == 0, finished.stderr

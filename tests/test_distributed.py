@@ -4,7 +4,11 @@ import re
 import signal
 import time
 
+import pytest
 from conftest import CARTPOLE_LEARNING, finish_processes, read_scalars, run_script, start_processes, wait_for_line
+
+# every test here starts two processes (jax.distributed on 127.0.0.1): the slow tier
+pytestmark = pytest.mark.slow
 
 CARTPOLE = (
     "--env-id CartPole-v1 --num-steps 32 --hiddens 16 --num-actor-threads 1 --actor-device-ids 0 "

@@ -339,6 +339,7 @@ def trained_and_random_returns(
     return trained, random
 
 
+@pytest.mark.slow
 def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     # rl-starter-files' PPO settings for MiniGrid (lr 1e-3, 4 epochs, gamma 0.99); 60k steps, ~30 s on CPU.
     # Reaching the goal pays 1 - 0.9 * steps / 100 (MiniGrid), so the best return is ~0.95; random play ~0.2.
@@ -354,6 +355,7 @@ def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
 
 
+@pytest.mark.slow
 def test_mujoco_ppo_learns_dm_control_cartpole_balance(tmp_path):
     # the MuJoCo PPO script's defaults (PPO paper Table 3), 200k steps (about a minute here). Rewards are in [0, 1]
     # per step over 1000 steps (Tassa et al. 2018); random actions keep the pole up for a while (about 360), and
@@ -368,6 +370,7 @@ def test_mujoco_ppo_learns_dm_control_cartpole_balance(tmp_path):
     assert trained > random + 100, (trained, random)
 
 
+@pytest.mark.slow
 def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     # One player with the ball in front of an empty goal: "right" or "shot" from the start scores every time (1.0),
     # random play about 0.12, and PPO solves it early in Kurach et al. 2020's curves. CPU-sized IMPALA CNN (one
@@ -385,6 +388,7 @@ def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     assert trained > random + 0.4, (trained, random)
 
 
+@pytest.mark.slow
 def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     # ViZDoom's defend_the_center: monsters close in on the agent at the centre of a round room; envpool pays 1 per
     # kill and -0.75 for the death that ends the episode. Random play kills about 1.4 before dying, turning while
@@ -404,6 +408,7 @@ def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     assert trained > random + 1.5, (trained, random)  # one and a half kills more per episode
 
 
+@pytest.mark.slow
 def test_ppo_learns_procgen_bigfish_on_one_level(tmp_path):
     # Procgen's level set is an option (Cobbe et al. 2020, Sec. 2); its benchmark's 25M steps on unlimited levels
     # are out of CPU reach (measured: no gain over random in 100k steps), so this trains on one level, with

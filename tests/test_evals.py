@@ -55,6 +55,7 @@ def saved_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_saved_model_is_evaluated_and_logged(saved_run):
     assert saved_run.returncode == 1, saved_run.stderr  # only the upload failed
     model = flax.serialization.msgpack_restore(saved_run.model_path.read_bytes())
@@ -63,6 +64,7 @@ def test_saved_model_is_evaluated_and_logged(saved_run):
     assert "evaluated runs/saved/tiny.cleanrl_model (sampled actions): 3 episodes" in saved_run.stdout
 
 
+@pytest.mark.slow
 def test_upload_failure_keeps_model_card_script_and_video(saved_run):
     errors = [line for line in saved_run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in saved_run.stderr, saved_run.stderr
@@ -86,6 +88,7 @@ def read_video(path: Path) -> tuple[dict, list[np.ndarray]]:
     return meta, [np.frombuffer(frame, np.uint8).reshape(height, width, 3) for frame in reader]
 
 
+@pytest.mark.slow
 def test_video_is_an_h264_mp4_of_env_0s_first_episode(saved_run):
     assert sorted(p.name for p in saved_run.video_dir.iterdir()) == ["eval-episode-0.mp4"]  # 3 episodes, 3 envs
     meta, frames = read_video(saved_run.video_dir / "eval-episode-0.mp4")
@@ -105,6 +108,7 @@ def test_hub_repo_names_are_one_path_part():
     )
 
 
+@pytest.mark.slow
 def test_model_card(saved_run):
     card = (saved_run.run_dir / "hub" / "README.md").read_text()
     _, front_matter, body = card.split("---\n", 2)
@@ -137,6 +141,7 @@ def test_model_card_without_video_and_greedy():
     assert "<video" not in card and "2 episodes with greedy actions: episodic return\n**2.00 +/- 1.00**" in card
 
 
+@pytest.mark.slow
 def test_upload_calls_the_hub_with_the_folder(saved_run, tmp_path, monkeypatch):
     calls = []
 
@@ -174,6 +179,7 @@ def test_upload_calls_the_hub_with_the_folder(saved_run, tmp_path, monkeypatch):
     assert f"hf download {repo_id}" in (tmp_path / "run" / "hub" / "README.md").read_text()
 
 
+@pytest.mark.slow
 def test_evaluator_reproduces_the_runs_evaluation(saved_run):
     # the same defaults as the run's own evaluation: the model's seed, min(8, episodes) envs, sampled actions
     assert evaluate(saved_run.model_path, 3, verbose=False) == saved_run.eval_returns

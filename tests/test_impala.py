@@ -174,6 +174,7 @@ CARTPOLE = (
 ).split()
 
 
+@pytest.mark.slow
 def test_cartpole_reaches_300_within_200k_steps(workdir):
     run = run_script(
         [*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "200000", "--log-frequency", "100"],
@@ -186,6 +187,7 @@ def test_cartpole_reaches_300_within_200k_steps(workdir):
     assert best >= 300, f"best average return {best:.1f} at step {best_step}"
 
 
+@pytest.mark.slow
 def test_same_seed_same_run(workdir):
     flags = [*CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "9600", "--seed", "3"]
     first, second = (run_script(flags, workdir, name, script=IMPALA_SCRIPT) for name in ["first", "second"])

@@ -1,6 +1,10 @@
 """The very script users run for Atari learns on CartPole-v1, and a seed fixes the whole run."""
 
+import pytest
 from conftest import CARTPOLE_PPO, run_script
+
+# a 250k-step learning run and three same-seed runs: the slow tier
+pytestmark = pytest.mark.slow
 
 
 def test_cartpole_reaches_400_within_250k_steps(cartpole_learning_run):

@@ -358,6 +358,7 @@ PENDULUM_LEARNING = (
 ).split()
 
 
+@pytest.mark.slow
 def test_inverted_pendulum_balances_within_41k_steps(workdir):
     """The best average return logged reaches 500: the pole stays up for 500 of the 1000 steps of the time limit
     (+1 per step).

@@ -330,6 +330,7 @@ def final_digests(out: str) -> tuple:
     return DIGESTS.search(out.split("final ")[-1]).groups()
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_runs(runs):
     first, second = runs["first"], runs["second"]
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
@@ -341,6 +342,7 @@ def test_same_seed_gives_identical_runs(runs):
     assert len(a["losses/loss"]) == 8
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(runs):
     returncode, out, err = runs["stopped"]
     assert returncode == 143, err[-3000:]
@@ -354,6 +356,7 @@ def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(run
     assert final_digests(runs["resumed"].stdout) == final_digests(runs["resumed_again"].stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["a0-l0", "a0-l1", "a0-l1_2"])
 def test_breakout_runs_in_the_usual_layouts(runs, layout):
     """Tiny Breakout, 2 actor threads: every update's tags, the actor one policy version behind the learner."""
@@ -370,6 +373,7 @@ def test_breakout_runs_in_the_usual_layouts(runs, layout):
     assert np.isfinite([value for _, value in scalars["losses/loss"]]).all()
 
 
+@pytest.mark.slow
 def test_two_processes_keep_identical_params(runs):
     (code0, out0, err0), (code1, out1, err1) = runs["two"]
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
@@ -380,6 +384,7 @@ def test_two_processes_keep_identical_params(runs):
     assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
 
 
+@pytest.mark.slow
 def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
     assert_resumes_on_other_layouts(runs, DIGESTS)
 
@@ -421,6 +426,7 @@ CARTPOLE_MUZERO = (
 ).split()
 
 
+@pytest.mark.slow
 def test_cartpole_reaches_400(workdir):
     """CartPole-v1 from a random policy (about 22 per episode; the first episodes, measured in the same run, are
     below 60) to an average return of at least 400 (the issue's bar) within 122,880 env steps (480 updates,

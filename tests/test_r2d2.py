@@ -471,6 +471,7 @@ TAGS = (
 ).split()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_breakout_layouts_log_every_tag_and_act_one_version_behind(runs, layout):
     """2 actor threads x 4 envs x 8 steps = 64 env steps per update, 6 updates, 1 gradient step each."""
@@ -485,6 +486,7 @@ def test_breakout_layouts_log_every_tag_and_act_one_version_behind(runs, layout)
     assert np.all(np.isfinite(losses)) and len(set(losses)) > 1
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_runs(runs):
     first, second = runs["first"], runs["second"]
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
@@ -495,6 +497,7 @@ def test_same_seed_gives_identical_runs(runs):
     assert len(a["losses/td_loss"]) == 8 - 2  # 64 learning-starts steps = 2 updates that only fill the replay
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(runs):
     returncode, out, err = runs["stopped"]
     assert returncode == 143, err[-3000:]
@@ -508,6 +511,7 @@ def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(run
     assert final_digests(runs["resumed"].stdout) == final_digests(runs["resumed_again"].stdout)
 
 
+@pytest.mark.slow
 def test_two_processes_keep_identical_params(runs):
     (code0, out0, err0), (code1, out1, err1) = runs["two"]
     assert code0 == 0 and code1 == 0, err0[-3000:] + err1[-3000:]
@@ -518,6 +522,7 @@ def test_two_processes_keep_identical_params(runs):
     assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
 
 
+@pytest.mark.slow
 def test_a_replay_with_a_priority_tree_per_device_resumes_on_as_many_and_on_other_processes(runs):
     """One sum tree per learner device: on one device the checkpoint of two is refused with the count it needs; two
     processes resume it (the same two devices)."""
@@ -583,6 +588,7 @@ def masked_runs(tmp_path_factory):
         feedforward.kill()
 
 
+@pytest.mark.slow
 def test_memory_matters_lstm_reaches_300_on_cartpole_without_velocities(masked_runs):
     """The issue's bar: an average return of at least 300 over 20k consecutive env steps with only the cart position
     and pole angle observed within 150k env steps (see masked_runs); below 50 over the first 5120 steps (near-random
@@ -592,6 +598,7 @@ def test_memory_matters_lstm_reaches_300_on_cartpole_without_velocities(masked_r
     assert best_window(returns, 20_000) >= 300, returns[::10]
 
 
+@pytest.mark.slow
 def test_feedforward_core_stays_clearly_below_without_velocities(masked_runs):
     """The same script with the LSTM replaced by a feed-forward layer cannot infer the velocities: its best 20k-step
     window stays below half the LSTM's bar (it plays about 45)."""
@@ -599,6 +606,7 @@ def test_feedforward_core_stays_clearly_below_without_velocities(masked_runs):
     assert best_window(returns, 20_000) < 150, returns[::10]
 
 
+@pytest.mark.slow
 def test_cartpole_reaches_400(workdir):
     """Plain CartPole-v1 (all four observation entries): an average return of at least 400 over 10k consecutive env
     steps within 120k env steps; below 100 over the first 5120 steps (before learning). Sequences of

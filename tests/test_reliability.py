@@ -294,6 +294,7 @@ def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_stat
 # ---------------------------------------------------------------- two processes
 
 
+@pytest.mark.slow
 def test_processes_that_disagree_on_a_flag_stop_within_60_seconds(tmp_path):
     started = time.time()
     results = finish_processes(
@@ -317,6 +318,7 @@ def test_processes_that_disagree_on_a_flag_stop_within_60_seconds(tmp_path):
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp_path):
     """Only process 1 of one run, only process 0 of another: each waits --heartbeat-timeout seconds, then one line."""
     flags = [*DISTRIBUTED, "--total-timesteps", "1280", "--heartbeat-timeout", "5"]
@@ -338,6 +340,7 @@ def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp
     assert seconds < 60
 
 
+@pytest.mark.slow
 def test_sigterm_to_process_1_stops_both_and_saves_no_model(tmp_path):
     flags = [*DISTRIBUTED, "--total-timesteps", str(40 * 256), "--checkpoint-frequency", "0", "--save-model"]
     processes = start_processes(flags, tmp_path, 2, run_name="pre")

@@ -276,6 +276,7 @@ def final_digests(out: str) -> tuple:
     return DIGESTS.search(out.split("final ")[-1]).groups()
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_runs(runs):
     first, second = runs["first"], runs["second"]
     assert first.returncode == 0 and second.returncode == 0, first.stderr[-3000:] + second.stderr[-3000:]
@@ -286,6 +287,7 @@ def test_same_seed_gives_identical_runs(runs):
     assert len(a["losses/qf_loss"]) == 8 - 2  # 64 learning-starts steps = 2 updates of random actions
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(runs):
     returncode, out, err = runs["stopped"]
     assert returncode == 143, err[-3000:]
@@ -299,6 +301,7 @@ def test_sigterm_checkpoint_restores_params_optimizer_and_replay_bit_for_bit(run
     assert final_digests(runs["resumed"].stdout) == final_digests(runs["resumed_again"].stdout)
 
 
+@pytest.mark.slow
 def test_two_processes_keep_identical_params(runs):
     """On dm_control's CheetahRun-v1 (dict observations, flattened), 2 processes x 1 learner device."""
     (code0, out0, err0), (code1, out1, err1) = runs["two"]
@@ -310,6 +313,7 @@ def test_two_processes_keep_identical_params(runs):
     assert replay0 == replay1  # the digest of the whole replay, whose shards of their own envs the processes hold
 
 
+@pytest.mark.slow
 def test_a_replay_resumes_on_fewer_and_more_devices_and_processes(runs):
     assert_resumes_on_other_layouts(runs, DIGESTS)
 
@@ -343,6 +347,7 @@ def test_bad_input_is_one_clear_line(flags, message, capsys):
     assert capsys.readouterr().err.strip().startswith(f"error: {message}")
 
 
+@pytest.mark.slow
 def test_pendulum_reaches_minus_250(workdir):
     """Pendulum-v1 from random actions (-1200 to -1400 over the first episodes, measured in the same run) to an
     average return of at least -250 (the issue's bar). CPU settings: 64x64 MLPs, replay ratio 0.5, 1024 steps of
