@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # static/breakout_impala_cnn.png: PPO with the default IMPALA CNN on Breakout-v5 for 16,384 steps (about
-# 10 minutes on 2 CPU cores: the README's Atari-on-CPU command, run longer), one seed; the saved model is then
-# evaluated for 4 games with a video of env 0 (videos/). Drawn from the run's TensorBoard events: the return,
-# the throughput and the learner's time per update (s).
+# 10 minutes on 2 CPU cores: docs/rl-algorithms/ppo.md's Atari-on-CPU command, run longer), one seed; the saved
+# model is then evaluated for 4 games with a video of env 0 (videos/). Drawn from the run's TensorBoard events: the
+# return, the throughput and the learner's time per update (s).
 # usage: bash benchmark/breakout_impala_cnn.sh   (from the repository root)
 set -euo pipefail
 uv run python -m cleanrl_utils.benchmark --env-ids Breakout-v5 --num-seeds 1 --workers 1 --command \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # static/cartpole_learning_curves.png: PPO and IMPALA on CartPole-v1, 3 seeds each, run one after the other
-# with the README's commands (quick start and IMPALA section), then drawn from their TensorBoard events.
+# with the README's quick-start commands (PPO and IMPALA), then drawn from their TensorBoard events.
 # usage: bash benchmark/cartpole_learning_curves.sh   (from the repository root; about 4 minutes on 2 CPU cores)
 set -euo pipefail
 LAYOUT="--local-num-envs 8 --num-actor-threads 1 --hiddens 64 64 --learning-rate 1e-3 --actor-device-ids 0 --learner-device-ids 1"

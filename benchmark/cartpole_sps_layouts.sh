@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# static/cartpole_sps_layouts.png and the README's SPS table: PPO on CartPole-v1 (quick-start network, 8 envs
+# static/cartpole_sps_layouts.png and docs/performance.md's SPS table: PPO on CartPole-v1 (quick-start network, 8 envs
 # per actor thread, 100k steps) in each device layout, with 1 and 2 actor threads, 3 seeds each, one run at a time.
 # usage: bash benchmark/cartpole_sps_layouts.sh   (from the repository root; about 5 minutes on 2 CPU cores)
 set -euo pipefail

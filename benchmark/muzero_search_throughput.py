@@ -5,7 +5,7 @@ copy) against the envs per thread, on CartPole-v1 (MLPs) and Breakout-v5 (a tiny
 Sebulba batches the search over all envs of a thread: one call searches every env at once, so steps/s should grow
 with envs per thread until the device is busy. Observations are the envs' own (envpool reset); params are the
 initial ones (the search's cost does not depend on their values). Each point: compile, --warmup calls, then
---seconds of calls. Prints a markdown table (for the README) and writes JSON lines to --out. Holds
+--seconds of calls. Prints a markdown table (for the docs) and writes JSON lines to --out. Holds
 /tmp/cleanba-bench.lock, like the other benchmarks, so that no other benchmark of this repository runs at once.
 
 usage (from the repository root): uv run python benchmark/muzero_search_throughput.py [--seconds 5]

@@ -1,4 +1,4 @@
-"""The README's figures, drawn from the TensorBoard event files the runs wrote into runs/.
+"""The figures of the docs (docs/, static/), drawn from the TensorBoard event files the runs wrote into runs/.
 
     # learning curves: one row per --tags entry, against env steps (left) and wall time (right);
     # a line is the mean over seeds, the band the spread (min to max)

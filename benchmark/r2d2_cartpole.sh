@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sebulba R2D2 on CartPole-v1 with the CPU settings of tests/test_r2d2.py's learning tests (16 envs, a 64-unit
-# LSTM, replay ratio 1/16; sequences of 16 plain, 32 masked: see the README's R2D2 section for what differs from
+# LSTM, replay ratio 1/16; sequences of 16 plain, 32 masked: see docs/rl-algorithms/r2d2.md for what differs from
 # the paper's defaults and why): plain CartPole with the LSTM (to 120k env steps, as the test), and
 # CartPole with its velocities hidden (tests/observation_mask.py zeroes observation entries 1 and 3) with the LSTM
 # and with the feed-forward core. SEEDS (default "1 2 3") one after the other (runs named by --exp-name); then

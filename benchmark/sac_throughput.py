@@ -4,7 +4,7 @@ For each env (Pendulum-v1, HalfCheetah-v4) and each --replay-ratio (1, 0.25), wi
 the script runs as a user runs it (a subprocess, the script's defaults but a short run: --learning-starts 512 and
 --total-timesteps for --updates updates), and this reads its TensorBoard events: the steady-state SPS and gradient
 steps/s over the updates after learning started plus --warmup-updates (compilation happens there), from the
-events' wall times. Prints a markdown table (for the README). Holds /tmp/cleanba-bench.lock, like the other
+events' wall times. Prints a markdown table (for the docs). Holds /tmp/cleanba-bench.lock, like the other
 benchmarks, so that no other benchmark of this repository runs at the same time.
 
 usage (from the repository root): uv run python benchmark/sac_throughput.py [--updates 24]

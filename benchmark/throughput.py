@@ -59,7 +59,7 @@ class HarnessArgs:
     json: Path | None = None
     """append the results as one JSON line to this file"""
     summarize: Path | None = None
-    """print the JSON lines of this file as a markdown table (for the README) and exit"""
+    """print the JSON lines of this file as a markdown table (for the docs) and exit"""
     baseline: Path | None = None
     """with --summarize: JSON lines of an earlier version measured in the same session (same script names and
     flags), shown as the full run's SPS and fraction before"""

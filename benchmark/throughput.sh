@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The stage tables of benchmark/throughput.py for every script and config of the README's performance section,
+# The stage tables of benchmark/throughput.py for every script and config of docs/performance.md,
 # 1 and 2 actor threads each; then the markdown table of all of them.
 # usage: bash benchmark/throughput.sh [results.jsonl [scripts folder]]   (from the repository root; ~20 min on 2 cores)
 set -euo pipefail

@@ -532,7 +532,7 @@ def test_a_replay_with_a_priority_tree_per_device_resumes_on_as_many_and_on_othe
 
 # ---------------------------------------------------------------- learning on CartPole-v1, with and without memory
 
-# CPU settings (the paper's defaults are for Atari on accelerators, see the README): 16 envs of 1 thread, sequences
+# CPU settings (the paper's Atari defaults on accelerators: docs/rl-algorithms/r2d2.md): 16 envs of 1 thread, sequences
 # of 32 steps (burn-in 8) of a 64-unit LSTM after a 64-unit MLP, 3-step targets with gamma 0.99 (CartPole's 500
 # steps), minibatches of 64 sequences, learning rate 5e-4, target copy every 200 gradient steps, replay ratio 1/16
 # (32 gradient steps per update of 512 env steps), 2048 env steps before learning, a replay that keeps the whole

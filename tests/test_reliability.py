@@ -1,4 +1,4 @@
-"""Every promise under faults and bad input: no hang, no lost or silently wrong run (see README, "Reliability").
+"""Every promise under faults and bad input: no hang, no lost or silently wrong run (see docs/reliability.md).
 
 Faults are injected as a user's run meets them (tests/fault_injection.py, signals, a held lock, corrupted files);
 the cheap checks call the script's main() in this process, the others run it as a subprocess.
