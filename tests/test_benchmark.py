@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import PPO_SCRIPT, REPO, script_env
 
 TINY_CARTPOLE = (
@@ -25,6 +26,7 @@ def benchmark(flags: list[str], cwd, env: dict | None = None) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 def test_local_sweep_runs_every_command_and_reports_failures(workdir):
     result = benchmark(
         ["--env-ids", "CartPole-v1", "NotAnEnv-v0", "--num-seeds", "2", "--workers", "2", "--command", TINY_CARTPOLE],

@@ -87,6 +87,7 @@ def test_sigterm_checkpoints_and_exits_then_the_same_command_resumes(workdir):
     assert FINAL.search(again.stdout).group(1) == FINAL.search(resumed.stdout).group(1)
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_and_exits_with_130(workdir):
     returncode, seconds, out, err = interrupt(
         workdir, "run", [*CARTPOLE, "--total-timesteps", "100000000"], after_update=2, sig=signal.SIGINT
@@ -96,6 +97,7 @@ def test_ctrl_c_checkpoints_and_exits_with_130(workdir):
     assert SAVED.search(out) and checkpoint_steps(workdir, "run")
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_is_an_error(workdir):
     run = run_script([*CARTPOLE, "--resume"], workdir, "missing", timeout=120)
     assert run.returncode == 2

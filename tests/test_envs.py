@@ -54,6 +54,7 @@ def family_run(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILY_RUNS))
 def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     run = family_run(family)

@@ -339,6 +339,7 @@ def test_envpool_seed_is_the_seed_where_envpool_takes_it():
         assert 0 <= evaluate_module.envpool_seed(seed, 8) <= 2**31 - 8
 
 
+@pytest.mark.slow
 def test_largest_seed_trains_saves_and_evaluates(workdir):
     """envpool takes an int32 seed: a run with a seed of the documented range above it trained and saved, then its
     evaluation stopped with an AssertionError traceback (the model was saved, the run's evaluation lost)."""

@@ -20,6 +20,7 @@ from conftest import (
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
 def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
     # 2 actor threads; their envs fail after 40 steps (in the third rollout): the learner is waiting on the queue
@@ -54,6 +55,7 @@ def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
     assert "an actor thread failed" in run.stderr
 
 
+@pytest.mark.slow
 def test_learner_failure_ends_the_run_and_its_actors(workdir):
     start = time.time()
     run = subprocess.run(
@@ -84,6 +86,7 @@ def test_learner_failure_ends_the_run_and_its_actors(workdir):
     assert "injected learner failure at update 3" in run.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_promptly(workdir):
     process = subprocess.Popen(
         [

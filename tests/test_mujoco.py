@@ -249,6 +249,7 @@ def layout_run(tmp_path_factory):
     return run_script(LAYOUT_FLAGS, tmp_path_factory.mktemp("mujoco"), "first", script=MUJOCO_SCRIPT)
 
 
+@pytest.mark.slow
 def test_two_learner_devices_two_threads_log_every_tag_and_save_the_statistics(layout_run):
     run = layout_run
     assert run.returncode == 0, run.stderr
@@ -277,6 +278,7 @@ def test_two_learner_devices_two_threads_log_every_tag_and_save_the_statistics(l
     assert not np.allclose(sampled, actions) and np.all(np.abs(sampled) <= 1)  # std 1 at start: often clipped
 
 
+@pytest.mark.slow
 def test_same_seed_same_params_and_statistics(layout_run):
     again = run_script(LAYOUT_FLAGS, layout_run.run_dir.parent.parent, "second", script=MUJOCO_SCRIPT)
     assert again.returncode == 0, again.stderr
@@ -284,6 +286,7 @@ def test_same_seed_same_params_and_statistics(layout_run):
     assert again.scalars()["losses/loss"] == layout_run.scalars()["losses/loss"]
 
 
+@pytest.mark.slow
 def test_resume_on_one_learner_device_shared_with_the_actor_restores_the_statistics_bit_for_bit(layout_run, workdir):
     saved = {update: digests for update, *digests in SAVED.findall(layout_run.stdout)}
     assert list(saved) == ["2", "4"]

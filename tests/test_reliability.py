@@ -144,6 +144,7 @@ def test_a_live_runs_folder_is_locked(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in (tmp_path / "runs" / "twin").iterdir()) == [".lock"]
 
 
+@pytest.mark.slow
 def test_a_kill_inside_the_tensorboard_rewrite_loses_and_duplicates_no_step(tmp_path):
     """Run, SIGKILL, resume killed inside the rewrite of the event files (the rewritten file is in place, the old
     one not yet removed), resume to the end: every update's scalars once (the rewrite rolls forward from its
@@ -209,6 +210,7 @@ def test_a_corrupted_checkpoint_is_one_line_naming_it(checkpointed, tmp_path, da
     assert errors[0].endswith("delete it to resume from an older one"), errors
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_the_last_checkpoint_resumes(tmp_path):
     flags = [*CARTPOLE, "--total-timesteps", str(9 * 128), "--checkpoint-frequency", "3"]
     process = start(flags, tmp_path, fault=["disk-full", "1"])  # checkpoint 3 is written, then the disk is full
@@ -225,6 +227,7 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_resumes(tmp_path):
     assert "resumed from checkpoint: update=3 " in out
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_the_first_checkpoint_is_one_line_saying_none_is_complete(tmp_path):
     """The checkpoint folder on a 16 KiB file system of its own (tmpfs in a mount namespace, so no root needed): the
     first write fails in every one of orbax's writer threads, and the run still prints one line."""
@@ -278,6 +281,7 @@ def test_a_read_only_working_directory_is_one_line(tmp_path):
 # ---------------------------------------------------------------- divergence
 
 
+@pytest.mark.slow
 def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_state(tmp_path):
     returncode, out, err = run(
         [*CARTPOLE, "--total-timesteps", "640", "--learning-rate", "1e30", "--max-grad-norm", "1e30", "--save-model"],

@@ -31,6 +31,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "algorithm,actor_ids,learner_ids", LAYOUTS, ids=[f"{a}-a{','.join(x)}-l{','.join(y)}" for a, x, y in LAYOUTS]
 )
@@ -72,6 +73,7 @@ def test_layouts_log_every_tag_and_act_one_version_behind(workdir, algorithm, ac
     assert "update=6/6" in run.stdout and "actor_policy_version=4 learner_policy_version=5" in run.stdout
 
 
+@pytest.mark.slow
 def test_no_concurrency_acts_with_the_latest_policy(workdir):
     run = run_script(
         [
@@ -91,6 +93,7 @@ def test_no_concurrency_acts_with_the_latest_policy(workdir):
     assert actor == learner == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
     # CartPole episodes are short, so the returns are checked against their definition: return == length
     run = run_script(
@@ -107,6 +110,7 @@ def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
     assert returns == pytest.approx(lengths) and min(returns) >= 8
 
 
+@pytest.mark.slow
 def test_save_model_and_track_offline(workdir):
     # one evaluation game (Breakout: whole games, all lives) keeps the test short
     run = run_script(

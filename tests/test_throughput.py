@@ -14,6 +14,7 @@ TINY_CARTPOLE = (
 ).split()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
 def test_stage_table_and_json(script, workdir):
     results_file = workdir / "results.jsonl"
