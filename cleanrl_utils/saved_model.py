@@ -45,16 +45,12 @@ def save_model(args, script: str | os.PathLike, contents: dict) -> str:
 
 
 def save_evaluate_upload(args, script: str | os.PathLike, contents: dict) -> bool:
-    """--save-model at the end of a training script: save, evaluate, record videos, upload (False: upload failed)."""
-    return evaluate_and_upload(args, save_model(args, script, contents), script)
-
-
-def evaluate_and_upload(args, model_path: str, script: str | os.PathLike) -> bool:
-    """What a training script's --save-model does after saving: evaluate the model as `python -m
+    """--save-model at the end of a training script: save the model, evaluate it as `python -m
     cleanrl_utils.evals.evaluate` does, log eval/episodic_return, record videos, upload. False if the upload failed
     (the files stay on disk)."""
     from cleanrl_utils.huggingface import push_to_hub
 
+    model_path = save_model(args, script, contents)
     video_folder = f"videos/{args.run_name}"
     episodic_returns = evaluate(
         model_path, args.eval_episodes, args.eval_greedy, args.capture_video, video_folder, script=script
