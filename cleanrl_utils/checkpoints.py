@@ -13,7 +13,6 @@ import os
 import re
 import secrets
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -150,27 +149,38 @@ def _stderr_held():
     """A failed write fails in each of orbax's writer threads, and each prints its own traceback (absl logs, and
     tensorstore callbacks that reach a closed event loop), at the C level too: what is printed to stderr during a
     write is held, printed after a write that succeeded and dropped after one that failed (its RunError is the run's
-    one line; asyncio's "exception was never retrieved" of the abandoned tasks, at exit, is filtered by save)."""
+    one line; asyncio's "exception was never retrieved" of the abandoned tasks, at exit, is filtered by save). Held
+    in memory, through a pipe: on a full disk no file can hold it."""
     sys.stderr.flush()
     stderr, before = os.dup(2), set(threading.enumerate())
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        succeeded = False
-        try:
-            yield
-            succeeded = True
-        finally:
-            if not succeeded:  # the failed write's other threads still print: let them end (10 s at most)
-                deadline = time.time() + 10
-                for thread in set(threading.enumerate()) - before:
-                    thread.join(timeout=max(deadline - time.time(), 0))
+    read_end, write_end = os.pipe()
+    held = bytearray()
+
+    def drain():
+        with os.fdopen(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                held.extend(chunk)
+
+    drainer = threading.Thread(target=drain, name="stderr-held", daemon=True)
+    drainer.start()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    succeeded = False
+    try:
+        yield
+        succeeded = True
+    finally:
+        if not succeeded:  # the failed write's other threads still print: let them end (10 s at most)
+            deadline = time.time() + 10
+            for thread in set(threading.enumerate()) - before - {drainer}:
+                thread.join(timeout=max(deadline - time.time(), 0))
+        sys.stderr.flush()
+        os.dup2(stderr, 2)  # the pipe's last write end closes: the drainer reads to its end
+        os.close(stderr)
+        drainer.join(timeout=10)
+        if succeeded:
+            sys.stderr.write(bytes(held).decode(errors="replace"))
             sys.stderr.flush()
-            os.dup2(stderr, 2)
-            os.close(stderr)
-            if succeeded:
-                held.seek(0)
-                sys.stderr.write(held.read().decode(errors="replace"))
-                sys.stderr.flush()
 
 
 class Checkpoints:

@@ -4,8 +4,8 @@ usage: python tests/fault_injection.py SCRIPT {env|learner|slow-checkpoint|disk-
   env N:             every actor's environment raises after N steps
   learner N:         the learner raises at its N-th update
   slow-checkpoint N: every checkpoint write prints "checkpoint write started: update=U" and takes N seconds longer
-  disk-full N:       after the N-th checkpoint, no file can grow (RLIMIT_FSIZE 0: every write fails in the kernel with
-                     EFBIG, as ENOSPC would on a full disk), printing "disk full now"
+  disk-full N:       after the N-th checkpoint (N=0: as the first begins), no file can grow (RLIMIT_FSIZE 0: every
+                     write fails in the kernel with EFBIG, as ENOSPC would on a full disk), printing "disk full now"
   kill-in-rewrite N: SIGKILL inside the TensorBoard rewrite at start, when the first old event file is about to go
                      (the rewritten file is in place; N is unused)
 """
@@ -70,16 +70,21 @@ def main():
         run_module.Checkpoints = SlowCheckpoints
     elif fault == "disk-full":
 
+        def fill_the_disk():
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+            print("disk full now", flush=True)
+
         class FillingCheckpoints(run_module.Checkpoints):
             saved = 0
 
             def save(self, *args, **kwargs):
+                if FillingCheckpoints.saved == n == 0:
+                    fill_the_disk()
                 super().save(*args, **kwargs)
                 FillingCheckpoints.saved += 1
                 if FillingCheckpoints.saved == n:
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write, not a killed process
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-                    print("disk full now", flush=True)
+                    fill_the_disk()
 
         run_module.Checkpoints = FillingCheckpoints
     elif fault == "kill-in-rewrite":
