@@ -1,0 +1,195 @@
+"""Run the README's CPU command of each algorithm over seeds: what each seed reaches, how long it takes, and a figure.
+
+    uv run python benchmark/readme_commands.py --algorithms ppo impala sac --seeds 1 2 3 4 5
+
+Each command is read from README.md (the bash block that runs the algorithm's script; for PPO the quick start's) and
+run as written plus `--seed S --exp-name readme_{algorithm}`, one run at a time, so the wall times are those of a
+quiet machine. A seed passes when its best average return over a window of consecutive env steps (10k on CartPole,
+2k on Pendulum, 20k on HalfCheetah) reaches the algorithm's threshold (THRESHOLDS, with its source); the final
+average (the last window) is recorded too. Each run appends a JSON line to --results; each algorithm's table
+(Markdown, for its docs page) is printed and its figure, every seed's curve with the threshold, is written to
+static/readme_{algorithm}_seeds.png. `--table-only` draws and prints from the runs recorded in --results.
+"""
+
+import json
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plot import find_runs, plt, read_run, save  # noqa: E402
+
+SCRIPTS = {
+    "ppo": "cleanba_ppo_envpool_impala_atari_wrapper.py",
+    "impala": "cleanba_impala_envpool_impala_atari_wrapper.py",
+    "ppo_continuous_action": "cleanba_ppo_continuous_action_envpool_mujoco.py",
+    "sac": "cleanba_sac_continuous_action_envpool_mujoco.py",
+    "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
+    "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
+}
+# per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)
+THRESHOLDS = {
+    "CartPole-v1": (400.0, "issue #28's bar for CartPole (the maximum is 500)", 10_000),
+    "Pendulum-v1": (-250.0, "issue #28's bar for Pendulum (a random policy averages about -1200)", 2_048),
+    "HalfCheetah-v4": (
+        1442.64,
+        "CleanRL's ppo_continuous_action after 1M steps (CleanRL docs, PPO page, MuJoCo v4 table)",
+        20_480,
+    ),
+}
+TAG = "charts/avg_episodic_return"
+
+
+@dataclass
+class Args:
+    algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
+    """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    results: str = "benchmark/results/readme_commands.jsonl"
+    """one JSON line per run is appended here"""
+    readme: str = "README.md"
+    table_only: bool = False
+    """run nothing: print the tables and draw the figures from the newest runs in runs/ and --results"""
+
+
+def readme_commands(readme: str) -> dict[str, str]:
+    """algorithm -> its CPU command in the README (continuation lines joined; `pip install uv && ` dropped; the GPU
+    command, with `--extra`, skipped)."""
+    blocks = re.findall(r"```bash\n(.*?)```", Path(readme).read_text(), flags=re.S)
+    commands = {}
+    for block in blocks:
+        for command in block.replace("\\\n", " ").splitlines():
+            command = " ".join(command.replace("pip install uv && ", "").split())
+            for algorithm, script in SCRIPTS.items():
+                if f"cleanba/{script}" in command and "--extra" not in command and "--env-id" in command:
+                    commands.setdefault(algorithm, command)
+    return commands
+
+
+def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int | None]:
+    """(best, final, first step of the best window): means of the logged values whose steps lie in a window of
+    `window` env steps; the windows start at each logged step that leaves a whole window before the run's end."""
+    starts = [s for s in steps if s + window <= steps[-1]] or [steps[0]]
+    means = [values[(steps >= s) & (steps < s + window)].mean() for s in starts]
+    best = int(np.nanargmax(means))
+    final = values[steps > steps[-1] - window].mean()
+    return float(means[best]), float(final), int(starts[best])
+
+
+def env_id_of(command: str) -> str:
+    return shlex.split(command)[shlex.split(command).index("--env-id") + 1]
+
+
+def run_seed(algorithm: str, command: str, seed: int) -> dict:
+    exp_name = f"readme_{algorithm}"
+    argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
+    print(f"running: {shlex.join(argv)}", flush=True)
+    start = time.time()
+    process = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.time() - start
+    if process.returncode != 0:
+        sys.exit(f"error: {algorithm} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
+    last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
+    run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
+    return {
+        "algorithm": algorithm,
+        "seed": seed,
+        "command": command,
+        "wall_s": round(wall, 1),
+        "last": last_update,
+        "run_dir": str(run_dir),
+    }
+
+
+def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
+    threshold, _, window = THRESHOLDS[env_id]
+    rows = []
+    for _, record in sorted(records.items()):
+        steps, _, values = read_run(Path(record["run_dir"]), TAG)
+        best, final, best_start = window_averages(steps, values, window)
+        reached = steps[np.argmax(values >= threshold)] if (values >= threshold).any() else None
+        rows.append(
+            {
+                **record,
+                "best": best,
+                "best_from": best_start,
+                "final": final,
+                "first_reached": None if reached is None else int(reached),
+                "passed": best >= threshold,
+                "curve": (steps, values),
+            }
+        )
+    return rows
+
+
+def print_table(algorithm: str, env_id: str, rows: list[dict]):
+    threshold, source, window = THRESHOLDS[env_id]
+    print(f"\n{algorithm} on {env_id}: threshold {threshold:g} ({source}); windows of {window:,} env steps")
+    print("| seed | best window average (from step) | final window average | first logged >= threshold | wall time |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        reached = "never" if row["first_reached"] is None else f"step {row['first_reached']:,}"
+        print(
+            f"| {row['seed']} | {row['best']:,.1f} ({row['best_from']:,}) | {row['final']:,.1f} | {reached} "
+            f"| {row['wall_s']:.0f} s |"
+        )
+    passed = sum(row["passed"] for row in rows)
+    print(f"\n{passed} of {len(rows)} seeds reach {threshold:g}; wall time {min(r['wall_s'] for r in rows):.0f}-")
+    print(f"{max(r['wall_s'] for r in rows):.0f} s ({platform.processor() or platform.machine()}, one run at a time)")
+
+
+def draw(algorithm: str, env_id: str, rows: list[dict]):
+    threshold, _, _ = THRESHOLDS[env_id]
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    for row in rows:
+        steps, values = row["curve"]
+        axis.plot(steps, values, linewidth=1.2, label=f"seed {row['seed']}")
+    axis.axhline(threshold, linestyle="--", color="black", linewidth=1, label=f"{threshold:g}")
+    axis.set_xlabel("environment steps")
+    axis.set_ylabel(TAG)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8, loc="best")
+    axis.set_title(f"{algorithm}: the README command on {env_id}, {len(rows)} seeds, 2-core CPU", fontsize=10)
+    figure.tight_layout()
+    save(figure, f"static/readme_{algorithm}_seeds.png")
+
+
+def main(args: Args):
+    unknown = sorted(set(args.algorithms) - set(SCRIPTS))
+    if unknown:
+        sys.exit(f"error: --algorithms: unknown {unknown}; expected any of {list(SCRIPTS)}")
+    commands = readme_commands(args.readme)
+    missing = [a for a in args.algorithms if a not in commands]
+    if missing:
+        sys.exit(f"error: {args.readme} has no command for {missing}")
+    for algorithm in args.algorithms:
+        command = commands[algorithm]
+        records: dict[int, dict] = {}
+        if args.table_only:
+            for line in Path(args.results).read_text().splitlines():
+                record = json.loads(line)
+                if record["algorithm"] == algorithm and record["seed"] in args.seeds and record["command"] == command:
+                    records[record["seed"]] = record  # the newest line of a seed counts
+        else:
+            for seed in args.seeds:
+                records[seed] = run_seed(algorithm, command, seed)
+                with open(args.results, "a") as results:
+                    results.write(json.dumps(records[seed]) + "\n")
+        if not records:
+            sys.exit(f"error: {args.results} has no run of {algorithm}'s current README command")
+        env_id = env_id_of(command)
+        rows = summarize(env_id, records)
+        print_table(algorithm, env_id, rows)
+        draw(algorithm, env_id, rows)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
