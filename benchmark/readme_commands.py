@@ -142,8 +142,11 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
             f"| {row['wall_s']:.0f} s |"
         )
     passed = sum(row["passed"] for row in rows)
-    print(f"\n{passed} of {len(rows)} seeds reach {threshold:g}; wall time {min(r['wall_s'] for r in rows):.0f}-")
-    print(f"{max(r['wall_s'] for r in rows):.0f} s ({platform.processor() or platform.machine()}, one run at a time)")
+    walls = [row["wall_s"] for row in rows]
+    print(
+        f"\n{passed} of {len(rows)} seeds reach {threshold:g}; wall time {min(walls):.0f}-{max(walls):.0f} s "
+        f"({platform.machine()}, one run at a time)"
+    )
 
 
 def draw(algorithm: str, env_id: str, rows: list[dict]):
