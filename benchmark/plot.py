@@ -3,7 +3,7 @@
     # learning curves: one row per --tags entry, against env steps (left) and wall time (right);
     # a line is the mean over seeds, the band the spread (min to max)
     uv run python benchmark/plot.py curves --env-id CartPole-v1 --exp-names ppo_cartpole impala_cartpole \\
-        --labels PPO IMPALA --output static/cartpole_learning_curves.png
+        --labels PPO IMPALA --output static/ppo_vs_impala.png
     # the same for explicit run folders (the seeds of one experiment), with a published result as a reference line
     uv run python benchmark/plot.py curves --runs runs/a runs/b runs/c --labels "Sebulba PPO" \
         --references "CleanRL at 1M steps=1442.64" --title "HalfCheetah-v4, 2-core CPU" --output static/curve.png

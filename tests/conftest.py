@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # in-process tests (the learner on a mesh) need several host devices: set before JAX starts a backend
@@ -323,4 +324,14 @@ def cartpole_learning_run(tmp_path_factory) -> Run:
     """One 250k-step PPO CartPole run with 8 envs in one process, shared by the tests that need it."""
     return run_script(
         [*CARTPOLE_LEARNING, "--local-num-envs", "8"], tmp_path_factory.mktemp("cartpole"), "one", timeout=400
+    )
+
+
+def best_window(returns: list[tuple[int, float]], env_steps: int) -> float:
+    """The best mean of the (env step, value) pairs logged within `env_steps` consecutive env steps: what a run
+    "reaches" (stricter than its best single value; benchmark/readme_commands.py reports the same windows)."""
+    return max(
+        np.mean([v for s, v in returns if start <= s < start + env_steps])
+        for start, _ in returns
+        if start + env_steps <= returns[-1][0] + 1
     )

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import IMPALA_SCRIPT, load_script, run_script
+from conftest import IMPALA_SCRIPT, best_window, load_script, run_script
 
 impala = load_script(IMPALA_SCRIPT)
 
@@ -175,16 +175,19 @@ CARTPOLE = (
 
 
 @pytest.mark.slow
-def test_cartpole_reaches_300_within_200k_steps(workdir):
-    run = run_script(
-        [*CARTPOLE, "--num-actor-threads", "1", "--total-timesteps", "200000", "--log-frequency", "100"],
-        workdir,
-        script=IMPALA_SCRIPT,
-        timeout=400,
-    )
+def test_readme_cartpole_command_reaches_400(workdir):
+    """The README's IMPALA command (16 envs, learning rate 2e-3, 200k steps): an average return of at least 400 over
+    10k consecutive env steps. Over seeds 1-5 on one machine the best windows were 457-495
+    (docs/rl-algorithms/impala.md, benchmark/readme_commands.py); the README's earlier 8 envs at 1e-3 reached 266-499,
+    one seed never 400."""
+    flags = (
+        "--env-id CartPole-v1 --local-num-envs 16 --num-actor-threads 1 --num-steps 20 --num-minibatches 1 "
+        "--hiddens 64 64 --learning-rate 2e-3 --total-timesteps 200000 --actor-device-ids 0 --learner-device-ids 1"
+    ).split()
+    run = run_script(flags, workdir, script=IMPALA_SCRIPT, timeout=400)
     assert run.returncode == 0, run.stderr
-    best_step, best = max(run.scalars()["charts/avg_episodic_return"], key=lambda step_value: step_value[1])
-    assert best >= 300, f"best average return {best:.1f} at step {best_step}"
+    returns = run.scalars()["charts/avg_episodic_return"]
+    assert best_window(returns, 10_000) >= 400, returns[::50]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from conftest import (
     REPO,
     Run,
     assert_resumes_on_other_layouts,
+    best_window,
     finish_processes,
     finish_script,
     load_script,
@@ -551,16 +552,6 @@ def returns_of(run: Run) -> list[tuple[int, float]]:
     """(env step, average return of the envs' last episodes) of every update (TensorBoard: every update)."""
     assert run.returncode == 0, run.stderr[-3000:]
     return run.scalars()["charts/avg_episodic_return"]
-
-
-def best_window(returns: list[tuple[int, float]], env_steps: int) -> float:
-    """The best mean of the values logged within `env_steps` consecutive env steps: what a run "reaches" (the PPO
-    CartPole test takes the best single value; Q-learning on CartPole oscillates, so a window is the stricter claim)."""
-    return max(
-        np.mean([v for s, v in returns if start <= s < start + env_steps])
-        for start, _ in returns
-        if start + env_steps <= returns[-1][0] + 1
-    )
 
 
 def early(returns: list[tuple[int, float]]) -> float:
