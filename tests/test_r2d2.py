@@ -604,8 +604,9 @@ def test_cartpole_reaches_400(workdir):
     Sequences of 16 (burn-in 4), half those of the masked runs: without hidden state to infer they suffice, and cost
     half. Replay ratio 1/8, twice the masked runs': at 1/16 seeds 1-5 reached 3 of 5 (one stayed at 160), at 1/8 4 of
     5 (398-492; docs/rl-algorithms/r2d2.md)."""
+    plain = "--num-steps 16 --sequence-length 16 --burn-in 4 --replay-ratio 0.125 --total-timesteps 120000".split()
     run = run_script(
-        [*CARTPOLE, *"--num-steps 16 --sequence-length 16 --burn-in 4 --replay-ratio 0.125 --total-timesteps 120000".split()],
+        [*CARTPOLE, *plain],
         workdir,
         script=R2D2_SCRIPT,
         timeout=900,
