@@ -25,7 +25,7 @@ import numpy as np
 import tyro
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plot import find_runs, plt, read_run, save  # noqa: E402
+from plot import fail, find_runs, plt, read_run, save  # noqa: E402
 
 SCRIPTS = {
     "ppo": "cleanba_ppo_envpool_impala_atari_wrapper.py",
@@ -57,7 +57,7 @@ class Args:
     """one JSON line per run is appended here"""
     readme: str = "README.md"
     table_only: bool = False
-    """run nothing: print the tables and draw the figures from the newest runs in runs/ and --results"""
+    """run nothing: print the tables and draw the figures from the runs recorded in --results (the newest per seed)"""
 
 
 def readme_commands(readme: str) -> dict[str, str]:
@@ -74,7 +74,7 @@ def readme_commands(readme: str) -> dict[str, str]:
     return commands
 
 
-def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int | None]:
+def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int]:
     """(best, final, first step of the best window): means of the logged values whose steps lie in a window of
     `window` env steps; the windows start at each logged step that leaves a whole window before the run's end."""
     starts = [s for s in steps if s + window <= steps[-1]] or [steps[0]]
@@ -168,11 +168,11 @@ def draw(algorithm: str, env_id: str, rows: list[dict]):
 def main(args: Args):
     unknown = sorted(set(args.algorithms) - set(SCRIPTS))
     if unknown:
-        sys.exit(f"error: --algorithms: unknown {unknown}; expected any of {list(SCRIPTS)}")
+        fail(f"--algorithms: unknown {unknown}; expected any of {list(SCRIPTS)}")
     commands = readme_commands(args.readme)
     missing = [a for a in args.algorithms if a not in commands]
     if missing:
-        sys.exit(f"error: {args.readme} has no command for {missing}")
+        fail(f"--readme: {args.readme} has no command for {missing}")
     for algorithm in args.algorithms:
         command = commands[algorithm]
         records: dict[int, dict] = {}
@@ -187,7 +187,7 @@ def main(args: Args):
                 with open(args.results, "a") as results:
                     results.write(json.dumps(records[seed]) + "\n")
         if not records:
-            sys.exit(f"error: {args.results} has no run of {algorithm}'s current README command")
+            fail(f"--results: {args.results} has no run of {algorithm}'s current README command")
         env_id = env_id_of(command)
         rows = summarize(env_id, records)
         print_table(algorithm, env_id, rows)

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import PPO_SCRIPT, REPO, script_env
 
@@ -162,3 +163,47 @@ def test_several_tasks_need_a_distributed_command(workdir):
     assert result.stderr.strip() == (
         "error: --slurm-ntasks > 1 starts several processes per run: add --distributed to --command"
     )
+
+
+# ---------------------------------------------------------------- benchmark/readme_commands.py
+
+
+def test_readme_commands_finds_every_algorithms_cpu_command_with_a_known_bar():
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import readme_commands
+
+    commands = readme_commands.readme_commands(str(REPO / "README.md"))
+    assert sorted(commands) == sorted(readme_commands.SCRIPTS)
+    for algorithm, command in commands.items():
+        assert command.startswith(f"uv run python cleanba/{readme_commands.SCRIPTS[algorithm]} "), command
+        assert "--extra" not in command and "\\" not in command and "pip" not in command, command
+        assert readme_commands.env_id_of(command) in readme_commands.THRESHOLDS, command
+
+
+def test_window_averages_match_a_plain_loop():
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from readme_commands import window_averages
+
+    rng = np.random.default_rng(0)
+    steps = np.cumsum(rng.integers(100, 900, size=200))
+    values = rng.normal(size=200).cumsum()
+    best, final, best_from = window_averages(steps, values, 10_000)
+    windows = {}
+    for start in steps:
+        if start + 10_000 <= steps[-1]:
+            inside = [v for s, v in zip(steps, values) if start <= s < start + 10_000]
+            windows[int(start)] = sum(inside) / len(inside)
+    assert best_from == max(windows, key=windows.get) and np.isclose(best, max(windows.values()))
+    last = [v for s, v in zip(steps, values) if s > steps[-1] - 10_000]
+    assert np.isclose(final, sum(last) / len(last))
+
+
+def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
+    process = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "readme_commands.py"), "--algorithms", "dqn"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == 2, process.stderr
+    assert process.stderr.strip().startswith("error: --algorithms: unknown ['dqn']"), process.stderr
