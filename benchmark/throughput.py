@@ -38,6 +38,7 @@ from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import device_layout
 from cleanrl_utils.evals.evaluate import load_script
 from cleanrl_utils.flags import derive_batch_values
+from cleanrl_utils.run import SebulbaRun
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -311,7 +312,7 @@ def measure(harness: HarnessArgs, module, script_args: list[str], args):
     import jax
 
     derive_batch_values(
-        args, world_size=layout.world_size, local_rank=layout.local_rank, num_actor_devices=len(layout.actor_devices)
+        args, world_size=layout.world_size, local_rank=layout.local_rank, **SebulbaRun.env_copies(args, layout)
     )
     module.set_runtime_values(args, layout)
     print(f"{harness.script.name} {' '.join(script_args)}")

@@ -36,7 +36,8 @@ def tree_digest(tree) -> str:
     point (it is a collective), as `Checkpoints` and the scripts' final lines do."""
     import jax
 
-    return hashlib.sha256(b"".join(_leaf_digest(leaf) for leaf in jax.tree.leaves(tree))).hexdigest()
+    leaves = jax.tree.leaves(_keys_to_data(tree))  # a typed PRNG key: its data
+    return hashlib.sha256(b"".join(_leaf_digest(leaf) for leaf in leaves)).hexdigest()
 
 
 def _leaf_digest(x) -> bytes:
@@ -83,10 +84,18 @@ def _is_key(x) -> bool:
 
 
 def _keys_to_data(tree):
-    """orbax stores arrays, not typed PRNG keys: keys (the same host value in every process) go as their data."""
+    """orbax stores arrays, not typed PRNG keys: keys go as their data, on the host where this process holds all of it
+    (a learner key, the same in every process), else as the global array it is (an Anakin run's per-env keys,
+    sharded over the learner devices of every process)."""
     import jax
 
-    return jax.tree.map(lambda x: np.asarray(jax.random.key_data(x)) if _is_key(x) else x, tree)
+    def data(x):
+        if not _is_key(x):
+            return x
+        key_data = jax.random.key_data(x)
+        return np.asarray(key_data) if getattr(key_data, "is_fully_addressable", True) else key_data
+
+    return jax.tree.map(data, tree)
 
 
 def check_shared_folder(path: str):
@@ -273,8 +282,9 @@ class Checkpoints:
             if meta["global_step"] != update * batch_size:
                 raise CheckpointError(
                     f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per "
-                    f"update, this run has {batch_size} (--local-num-envs x --num-steps x --num-actor-threads x actor "
-                    "devices x processes); use the checkpoint's values or another --run-name"
+                    f"update, this run has {batch_size} (--local-num-envs x --num-steps x the env copies per "
+                    "process, Sebulba's actor threads or Anakin's learner devices, x processes); use the checkpoint's "
+                    "values or another --run-name"
                 )
             for name, value in flags.items():
                 if meta["args"].get(name) != value:

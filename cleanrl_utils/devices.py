@@ -57,7 +57,8 @@ class DeviceLayout:
 def device_layout(args) -> DeviceLayout:
     """Start jax.distributed if asked (`args.distributed`), then check the device ids against this process's
     devices. Call it after the flag checks: it starts JAX's backend."""
-    ensure_host_devices(args.actor_device_ids + args.learner_device_ids)
+    actor_device_ids = getattr(args, "actor_device_ids", [])  # an Anakin script has none: it acts on its learners
+    ensure_host_devices(actor_device_ids + args.learner_device_ids)
     import jax
     from jax.sharding import Mesh
 
@@ -65,10 +66,10 @@ def device_layout(args) -> DeviceLayout:
         start_distributed(args)
         agree_on_flags(args)
     local_devices = jax.local_devices()
-    for name in ["actor_device_ids", "learner_device_ids"]:
-        if max(getattr(args, name)) >= len(local_devices):
+    for name, ids in [("actor_device_ids", actor_device_ids), ("learner_device_ids", args.learner_device_ids)]:
+        if ids and max(ids) >= len(local_devices):
             raise UsageError(
-                f"{flag(name)} {getattr(args, name)} out of range: this process has {len(local_devices)} "
+                f"{flag(name)} {ids} out of range: this process has {len(local_devices)} "
                 f"{local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}"
             )
     world_size = jax.process_count()
@@ -79,7 +80,7 @@ def device_layout(args) -> DeviceLayout:
         if i in args.learner_device_ids
     ]
     return DeviceLayout(
-        actor_devices=[local_devices[i] for i in args.actor_device_ids],
+        actor_devices=[local_devices[i] for i in actor_device_ids],
         learner_devices=[local_devices[i] for i in args.learner_device_ids],
         global_learner_devices=global_learner_devices,
         mesh=Mesh(np.array(global_learner_devices), ("batch",)),
@@ -219,7 +220,7 @@ def agreed_values(args) -> dict:
             name: getattr(args, name)
             for name in ["checkpoint_frequency", "checkpoint_keep", "resume", "heartbeat_timeout"]
         },
-        "actor_device_ids (count)": len(args.actor_device_ids),
+        "actor_device_ids (count)": len(getattr(args, "actor_device_ids", [])),
         "learner_device_ids (count)": len(args.learner_device_ids),
     }
 

@@ -1,6 +1,7 @@
-"""Flags: the ones every script shares (`RunArgs`, `SebulbaArgs`: a script's `Args` extends them), the marker for
-flags a resumed run may change (`RunSetting`), and the range checks, each failing with a `UsageError` that names the
-flag and what is allowed.
+"""Flags: the ones every script shares (`RunArgs`; `DeviceArgs`, the learner's devices and the run's processes; then
+`SebulbaArgs` with the actor threads, or `AnakinArgs`: a script's `Args` extends one), the marker for flags a resumed
+run may change (`RunSetting`), and the range checks, each failing with a `UsageError` that names the flag and what is
+allowed.
 """
 
 import dataclasses
@@ -107,17 +108,19 @@ def check_name(value: str | None, name: str):
 
 
 def check_run_flags(args):
-    """The flags every script shares (logging, checkpoints, devices, processes): checked before JAX starts."""
+    """The flags every script shares (logging, checkpoints, devices, processes; a Sebulba script's actor threads):
+    checked before JAX starts."""
+    sebulba = isinstance(args, SebulbaArgs)
     check_flags(
         args,
-        positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes", "num_actor_threads"],
+        positive_ints=["log_frequency", "checkpoint_keep", "eval_episodes"]
+        + (["num_actor_threads"] if sebulba else []),
         non_negative_ints=["checkpoint_frequency"],
-        device_id_lists=["actor_device_ids", "learner_device_ids"],
+        device_id_lists=(["actor_device_ids"] if sebulba else []) + ["learner_device_ids"],
         ranges={
             "seed": (0, MAX_SEED),
             "total_timesteps": (1, MAX_COUNT),
-            "envpool_threads": (0, os.cpu_count()),
-            "queue_timeout": (0.001, 3600),
+            **({"envpool_threads": (0, os.cpu_count()), "queue_timeout": (0.001, 3600)} if sebulba else {}),
             "heartbeat_timeout": (1, MAX_SECONDS),
             "num_processes": (1, 65_536),
             "process_id": (0, 65_535),
@@ -207,20 +210,12 @@ class RunArgs:
 
 
 @dataclass
-class SebulbaArgs(RunArgs):
-    """The Sebulba flags (devices, threads, processes) and the values derived from them, the same in every script."""
+class DeviceArgs(RunArgs):
+    """The learner's devices and the run's processes (jax.distributed), and the values derived from them: the same in
+    every script."""
 
-    num_actor_threads: int = 2
-    """the number of actor threads on each actor device (positive)"""
-    envpool_threads: RunSetting[int] = 0
-    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in
-    [0, this machine's cores])"""
-    actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
-    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
     learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
     """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
-    concurrency: bool = True
-    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
     distributed: RunSetting[bool] = False
     """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
     coordinator_address: RunSetting[str | None] = None
@@ -232,8 +227,6 @@ class SebulbaArgs(RunArgs):
     heartbeat_timeout: RunSetting[int] = 30
     """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
     wait for every process to start (in [1, 86400])"""
-    queue_timeout: RunSetting[float] = 1.0
-    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
 
     # derived when the run starts (cleanrl_utils.run), not flags
     local_batch_size: int = field(init=False, default=0)
@@ -248,14 +241,39 @@ class SebulbaArgs(RunArgs):
     """this process's index"""
 
 
-def derive_batch_values(args: SebulbaArgs, *, world_size: int, local_rank: int, num_actor_devices: int):
-    """The values every Sebulba script derives from its flags and the device layout (a script adds its own)."""
+@dataclass
+class SebulbaArgs(DeviceArgs):
+    """The Sebulba flags: actor threads on actor devices, stepping envpool, one policy version behind the learner."""
+
+    num_actor_threads: int = 2
+    """the number of actor threads on each actor device (positive)"""
+    envpool_threads: RunSetting[int] = 0
+    """threads stepping each actor thread's envs (0: this process's cores but one, shared by its actor threads; in
+    [0, this machine's cores])"""
+    actor_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
+    """the local device ids that actor threads run inference on (distinct, in [0, 63])"""
+    concurrency: bool = True
+    """actor acts one policy version behind while the learner learns; --no-concurrency: lag 0"""
+    queue_timeout: RunSetting[float] = 1.0
+    """seconds between checks for a stopped run while waiting on a queue (in [0.001, 3600])"""
+
+
+@dataclass
+class AnakinArgs(DeviceArgs):
+    """Anakin: acting, the JAX-native envs and learning are one compiled program on each learner device; no actor
+    threads, no queues (the actor is the learner's current policy, lag 0)."""
+
+
+def derive_batch_values(args: DeviceArgs, *, world_size: int, local_rank: int, env_copies: int, copies_flags: str):
+    """The values every script derives from its flags and the device layout (a script adds its own): `env_copies`
+    groups of --local-num-envs in this process (Sebulba: its actor threads; Anakin: its learner devices), named by
+    `copies_flags` for the message."""
     args.world_size, args.local_rank = world_size, local_rank
-    args.local_batch_size = args.local_num_envs * args.num_steps * args.num_actor_threads * num_actor_devices
+    args.local_batch_size = args.local_num_envs * args.num_steps * env_copies
     args.batch_size = args.local_batch_size * world_size
     args.num_updates = args.total_timesteps // args.batch_size
     if args.num_updates < 1:
         raise UsageError(
             f"--total-timesteps ({args.total_timesteps}) is smaller than one batch ({args.batch_size} = "
-            "--local-num-envs x --num-steps x --num-actor-threads x actor devices x processes)"
+            f"--local-num-envs x --num-steps x {copies_flags} x processes)"
         )

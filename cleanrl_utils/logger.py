@@ -3,7 +3,8 @@
 Per update the learner passes its own scalars (losses, learning rate, policy versions, learner times) and the
 actor threads' stats; the logger adds SPS, episode returns and lengths, the actors' mean stage times and the
 peak memory, writes them at the update's global step, and prints a console line every `--log-frequency` updates.
-An actor thread's stats are what its `StageTimer` and `EpisodeStats` read out (the names below are the ones logged).
+An actor thread's stats are what its `StageTimer` and `EpisodeStats` read out (the names below are the ones logged);
+an Anakin run passes its envs' episode statistics alone.
 """
 
 import re
@@ -152,7 +153,12 @@ class RunLogger:
         scalars = {
             "charts/SPS": int((update - self.start_update) * self.batch_size / elapsed),
             **scalars,
-            **{f"stats/{name}": np.mean([s[name] for s in actor_stats]) for name in ACTOR_STAGES},
+            # a Sebulba run's actor threads time their stages; an Anakin run's one program has none
+            **{
+                f"stats/{name}": np.mean([s[name] for s in actor_stats])
+                for name in ACTOR_STAGES
+                if name in actor_stats[0]
+            },
             "stats/peak_rss_mib": peak_rss_mib(),
             **device_peak_memory_mib(),
         }

@@ -1,6 +1,6 @@
-"""One run of a Sebulba script: everything about it that is not the algorithm, behind one object.
+"""One run of a script: everything about it that is not the algorithm, behind one object (`SebulbaRun`, `AnakinRun`).
 
-A script's `main` is the Sebulba protocol; each line of bookkeeping is one call of its `SebulbaRun`:
+A Sebulba script's `main` is the Sebulba protocol; each line of bookkeeping is one call of its `SebulbaRun`:
 
     run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder (locked), checkpoint folder, signals
     state = run.restore(state, state_summary)             # the newest checkpoint of --run-name, or `state` as it is
@@ -13,11 +13,15 @@ A script's `main` is the Sebulba protocol; each line of bookkeeping is one call 
             run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)                  # final checkpoint and digests, --save-model, exit code
 
+An Anakin script's `AnakinRun` has the same calls but the actor threads' (`start_actor`, `broadcast`,
+`get_rollouts`): its envs are in the learner state, and one compiled program per update acts, steps them and learns.
+
 The learner state is a NamedTuple with the fields `agent` (params and optimizer state), `key` and, in a replay
-script, `replay`: it is what a checkpoint holds. Its `agent` is checked for NaN and infinity after every update;
-the update donates its input buffers, so `learn` keeps a copy of the state it starts from (all but the replay, which
-holds env data only) and checkpoints that last finite state, with the replay as it is, when an update diverges.
-With several processes every process calls these methods in the same order (checkpoints and digests are collective).
+script, `replay` (in an Anakin script, `envs`): it is what a checkpoint holds. Its `agent` is checked for NaN and
+infinity after every update; the update donates its input buffers, so `learn` keeps a copy of the state it starts from
+(all but the replay, which holds env data only) and checkpoints that last finite state, with the replay as it is, when
+an update diverges. With several processes every process calls these methods in the same order (checkpoints and
+digests are collective).
 """
 
 import dataclasses
@@ -52,7 +56,10 @@ class Rollouts(NamedTuple):
     actor_stats: list  # per actor thread: its stage times and episode statistics
 
 
-class SebulbaRun:
+class Run:
+    """What a Sebulba and an Anakin run share: devices, run folder, checkpoints, logger, signals, the learner loop's
+    bookkeeping and the end of a run. `SebulbaRun` adds the actor threads; `AnakinRun` has none."""
+
     def __init__(self, args, script: str, set_runtime_values: Callable | None = None):
         """Starts the run: JAX's devices (and jax.distributed), the values derived from the flags (the batch, then
         `set_runtime_values(args, layout)`, the script's own), the run folder and its lock, the checkpoint folder,
@@ -63,10 +70,7 @@ class SebulbaRun:
         self.layout = layout = device_layout(args)  # jax.distributed, host devices, the mesh over every process
         self.mesh, self.actor_devices = layout.mesh, layout.actor_devices
         derive_batch_values(
-            args,
-            world_size=layout.world_size,
-            local_rank=layout.local_rank,
-            num_actor_devices=len(layout.actor_devices),
+            args, world_size=layout.world_size, local_rank=layout.local_rank, **self.env_copies(args, layout)
         )
         if set_runtime_values is not None:
             set_runtime_values(args, layout)
@@ -82,10 +86,14 @@ class SebulbaRun:
         )
         self.stop_event = threading.Event()  # set by whoever stops the run; every queue wait sees it
         self.preemption = Preemption(layout.world_size, self.stop_event)  # stop after an update, checkpoint
-        self.actors = ActorThreads(self.stop_event)
         self.start_update = self.update = 0  # the update the run starts after, and the last one done
-        self.summary, self.logger, self._actor_threads = None, None, None
-        self.rollout_queue_get_time = self.training_time = 0.0
+        self.summary, self.logger = None, None
+        self.training_time = 0.0
+
+    @staticmethod
+    def env_copies(args, layout) -> dict:
+        """How many groups of --local-num-envs this process steps, and the flags that set it (for messages)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ the learner's state
 
@@ -121,6 +129,102 @@ class SebulbaRun:
             flags=settable_flags(self.args),
             summary=self.summary(state),
         )
+
+    # ------------------------------------------------------------ the learner loop
+
+    @contextmanager
+    def supervise(self):
+        """Around the learner loop: the logger is closed on the way out (a signal ends the loop through `updates`, and
+        the final checkpoint follows)."""
+        try:
+            yield
+        finally:
+            self.logger.close()
+
+    def updates(self):
+        """The updates after the one the run starts at, to --total-timesteps; a signal (SIGTERM, Ctrl-C) ends them after
+        an update that every process agrees on."""
+        for update in range(self.start_update + 1, self.args.num_updates + 1):
+            if self.preemption.requested():
+                return
+            yield update
+
+    def learn(self, update: int, learner_update: Callable, state, *inputs):
+        """`learner_update(state, *inputs) -> (state, metrics)`, waited for. A NaN or an infinity in its metrics or in
+        the new `state.agent` stops the run: the last finite state is checkpointed (as update - 1) and `Diverged`
+        raised, never a wrong model trained on or saved. A Sebulba run's failed actor thread is raised here
+        too."""
+        import jax
+
+        start = time.time()
+        replay = getattr(state, "replay", None)  # env data, always finite, and large: not copied
+        last_finite = copy_state(state if replay is None else state._replace(replay=None))
+        state, metrics = learner_update(state, *inputs)
+        metrics = jax.device_get(metrics)  # waits for the update
+        self.training_time = time.time() - start
+        if not all_finite(metrics, state.agent):
+            if replay is not None:  # the replay as it is now (it holds this update's rollout too)
+                last_finite = last_finite._replace(replay=state.replay)
+            self.save(update - 1, last_finite)
+            raise Diverged(update, metrics)
+        self._check_helpers()
+        self.update = update
+        return state, metrics
+
+    def _check_helpers(self):
+        """A failure of a thread that works for the learner (Sebulba's actor threads), raised in the learner loop."""
+
+    def log_and_checkpoint(self, update: int, state, scalars: dict, actor_stats: list[dict], actor_policy_version):
+        """The update's scalars to TensorBoard (and the console), then its checkpoint, every --checkpoint-frequency."""
+        scalars = {
+            **scalars,
+            "stats/actor_policy_version": actor_policy_version,
+            "stats/learner_policy_version": update - 1,  # the version the gradient was taken at
+            "stats/training_time": self.training_time,
+        }
+        if "stats/gradient_steps" in scalars:  # a replay learner's gradient steps of this update
+            scalars["stats/gradient_steps_per_second"] = scalars["stats/gradient_steps"] / self.training_time
+        self.logger.log_update(update, scalars, actor_stats)
+        if self.args.checkpoint_frequency and update % self.args.checkpoint_frequency == 0:
+            self.save(update, state)
+
+    # ------------------------------------------------------------ the end
+
+    def finish(self, state, saved_model: Callable[[object], dict]) -> int:
+        """The end of a run, stopped or complete: the final checkpoint, every process's digests, with --save-model
+        (process 0, a complete run only) `saved_model(state)` saved, evaluated and uploaded; the exit code."""
+        args, layout = self.args, self.layout
+        self.preemption.requested()  # once more: a signal that reached any process in the last update counts too
+        self.save(self.update, state)
+        self.checkpoints.close()
+        # every process prints this: equal digests show that all learner replicas hold the same state
+        print(f"process {layout.local_rank}: final {self.summary(state)}", flush=True)
+        self.preemption.report(self.update, args.run_name)
+        upload_succeeded = True
+        if args.save_model and layout.is_main_process and not self.preemption.stop_signal:
+            upload_succeeded = save_evaluate_upload(args, self.script, saved_model(state))
+        self.logger.finish()
+        self.folder.release()
+        shutdown()  # jax.distributed
+        # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
+        return self.preemption.exit_code or (0 if upload_succeeded else 1)
+
+
+class SebulbaRun(Run):
+    """A Sebulba run: the actor threads (supervised, fed through size-1 queues) on top of `Run`."""
+
+    def __init__(self, args, script: str, set_runtime_values: Callable | None = None):
+        super().__init__(args, script, set_runtime_values)
+        self.actors = ActorThreads(self.stop_event)
+        self._actor_threads = None
+        self.rollout_queue_get_time = 0.0
+
+    @staticmethod
+    def env_copies(args, layout) -> dict:
+        return {
+            "env_copies": args.num_actor_threads * len(layout.actor_devices),
+            "copies_flags": "--num-actor-threads x actor devices",
+        }
 
     # ------------------------------------------------------------ the actor threads
 
@@ -191,14 +295,6 @@ class SebulbaRun:
                         flush=True,
                     )
 
-    def updates(self):
-        """The updates after the one the run starts at, to --total-timesteps; a signal (SIGTERM, Ctrl-C) ends them after
-        an update that every process agrees on."""
-        for update in range(self.start_update + 1, self.args.num_updates + 1):
-            if self.preemption.requested():
-                return
-            yield update
-
     def get_rollouts(self, rollout_queues: list) -> Rollouts:
         """Every actor thread's `(rollout, actor_policy_version, stats)` of this update."""
         start = time.time()
@@ -209,59 +305,25 @@ class SebulbaRun:
         self.rollout_queue_get_time = time.time() - start
         return Rollouts(list(storages), versions[0], list(stats))
 
-    def learn(self, update: int, learner_update: Callable, state, *inputs):
-        """`learner_update(state, *inputs) -> (state, metrics)`, waited for. A NaN or an infinity in its metrics or in
-        the new `state.agent` stops the run: the last finite state is checkpointed (as update - 1) and `Diverged`
-        raised, never a wrong model trained on or saved. An actor thread's failure is raised here too."""
-        import jax
-
-        start = time.time()
-        replay = getattr(state, "replay", None)  # env data, always finite, and large: not copied
-        last_finite = copy_state(state if replay is None else state._replace(replay=None))
-        state, metrics = learner_update(state, *inputs)
-        metrics = jax.device_get(metrics)  # waits for the update
-        self.training_time = time.time() - start
-        if not all_finite(metrics, state.agent):
-            if replay is not None:  # the replay as it is now (it holds this update's rollout too)
-                last_finite = last_finite._replace(replay=state.replay)
-            self.save(update - 1, last_finite)
-            raise Diverged(update, metrics)
+    def _check_helpers(self):
         self.actors.check()
-        self.update = update
-        return state, metrics
 
     def end_update(self, update: int, state, metrics: dict, rollouts: Rollouts):
-        """The update's scalars to TensorBoard (and the console), then its checkpoint, every --checkpoint-frequency."""
-        scalars = {
-            **metrics,
-            "stats/actor_policy_version": rollouts.actor_policy_version,
-            "stats/learner_policy_version": update - 1,  # the version the gradient was taken at
-            "stats/rollout_queue_get_time": self.rollout_queue_get_time,
-            "stats/training_time": self.training_time,
-        }
-        if "stats/gradient_steps" in metrics:  # a replay learner's gradient steps of this update
-            scalars["stats/gradient_steps_per_second"] = metrics["stats/gradient_steps"] / self.training_time
-        self.logger.log_update(update, scalars, rollouts.actor_stats)
-        if self.args.checkpoint_frequency and update % self.args.checkpoint_frequency == 0:
-            self.save(update, state)
+        """The update's scalars (with the actor threads' stats) logged, then its checkpoint, every
+        --checkpoint-frequency."""
+        metrics = {**metrics, "stats/rollout_queue_get_time": self.rollout_queue_get_time}
+        self.log_and_checkpoint(update, state, metrics, rollouts.actor_stats, rollouts.actor_policy_version)
 
-    # ------------------------------------------------------------ the end
 
-    def finish(self, state, saved_model: Callable[[object], dict]) -> int:
-        """The end of a run, stopped or complete: the final checkpoint, every process's digests, with --save-model
-        (process 0, a complete run only) `saved_model(state)` saved, evaluated and uploaded; the exit code."""
-        args, layout = self.args, self.layout
-        self.preemption.requested()  # once more: a signal that reached any process in the last update counts too
-        self.save(self.update, state)
-        self.checkpoints.close()
-        # every process prints this: equal digests show that all learner replicas hold the same state
-        print(f"process {layout.local_rank}: final {self.summary(state)}", flush=True)
-        self.preemption.report(self.update, args.run_name)
-        upload_succeeded = True
-        if args.save_model and layout.is_main_process and not self.preemption.stop_signal:
-            upload_succeeded = save_evaluate_upload(args, self.script, saved_model(state))
-        self.logger.finish()
-        self.folder.release()
-        shutdown()  # jax.distributed
-        # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
-        return self.preemption.exit_code or (0 if upload_succeeded else 1)
+class AnakinRun(Run):
+    """An Anakin run: no actor threads; the envs are part of the learner state, stepped by the compiled update on
+    every learner device, --local-num-envs each."""
+
+    @staticmethod
+    def env_copies(args, layout) -> dict:
+        return {"env_copies": len(layout.learner_devices), "copies_flags": "learner devices (--learner-device-ids)"}
+
+    def end_update(self, update: int, state, metrics: dict, episode_stats: dict):
+        """The update's scalars and this process's envs' `episode_stats` (as `EpisodeStats.read()` gives them)
+        logged, then its checkpoint, every --checkpoint-frequency. The actor is the learner's current policy."""
+        self.log_and_checkpoint(update, state, metrics, [episode_stats], actor_policy_version=update - 1)
