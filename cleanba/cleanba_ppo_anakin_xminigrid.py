@@ -1,0 +1,580 @@
+"""Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) for XLand-MiniGrid's JAX-native MiniGrid envs.
+
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses:
+the same functions as the Sebulba PPO script's), the rollout, the learner update, the evaluation policy, and `main`:
+the Anakin loop itself. What is the same for every algorithm (checkpoints, preemption, device layout, logging) is
+imported from cleanrl_utils/, one small module each.
+
+System in one paragraph: the envs are written in JAX (xminigrid), so acting, stepping the envs and learning are one
+compiled program. On each learner device, a `vmap` over its `--local-num-envs` envs of the policy and the env step is
+scanned for `--num-steps`; then GAE, and PPO's epochs and minibatches, all inside one `jax.jit` of a `shard_map` over
+the learner devices of every process (the Sebulba scripts' 1-D mesh "batch"), gradients summed with `psum`, so
+`--distributed` (jax.distributed) scales it across hosts. The envs' state is part of the learner state, sharded along
+the env axis: a checkpoint holds it, and a resumed run continues bit for bit. The actor is the learner's current
+policy (lag 0): no threads, no queues, no host-device copies of observations.
+"""
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.serialization import to_state_dict
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cleanrl_utils.checkpoints import tree_digest
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import DeviceLayout, ensure_host_devices, local_value, replicate
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.run import AnakinRun
+from cleanrl_utils.saved_model import check_save_model_flags
+
+
+@dataclass
+class Args(AnakinArgs):  # the run's and Anakin's flags (cleanrl_utils/flags.py), then PPO's
+    env_id: str = "MiniGrid-Empty-5x5"
+    """the id of one of xminigrid's MiniGrid envs (xminigrid.registered_environments(), e.g. MiniGrid-Empty-5x5,
+    MiniGrid-DoorKey-8x8, MiniGrid-FourRooms); the egocentric 7x7 view, flattened, goes into MLPs"""
+    total_timesteps: int = 50_000_000
+    """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer (PPO paper, Table 5) (positive, finite)"""
+    local_num_envs: int = 128
+    """the number of parallel game environments on each learner device (positive)"""
+    num_steps: int = 128
+    """the number of steps of each rollout (PPO paper, Table 5: horizon 128) (positive)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (PPO paper, Table 5: alpha annealed)"""
+    gamma: float = 0.99
+    """the discount factor gamma (PPO paper, Table 5) (in [0, 1])"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation (PPO paper, Table 5) (in [0, 1])"""
+    num_minibatches: int = 4
+    """the number of mini-batches per epoch, on each learner device (positive)"""
+    update_epochs: int = 4
+    """the K epochs to update the policy (PPO paper Table 5 uses 3; CleanRL and Cleanba use 4) (positive)"""
+    norm_adv: bool = True
+    """toggles advantages normalization (per minibatch)"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient (PPO paper, Table 5: 0.1 x alpha) (positive, finite)"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy (PPO paper, Table 5: c2 = 0.01) (non-negative, finite)"""
+    vf_coef: float = 0.5
+    """coefficient of the value function (baselines' PPO2) (non-negative, finite)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
+    hiddens: list[int] = field(default_factory=lambda: [256])
+    """the hidden layers of the actor's and of the critic's MLP (positive)"""
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
+    check_run_flags(args)
+    check_flags(
+        args,
+        positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
+        positive=["learning_rate", "clip_coef", "max_grad_norm"],
+        non_negative=["ent_coef", "vf_coef"],
+        unit_interval=["gamma", "gae_lambda"],
+        positive_int_lists=["hiddens"],
+    )
+    # importing xminigrid starts JAX's backend: the host devices the ids need come first
+    ensure_host_devices(args.learner_device_ids)
+    check_env_id(args.env_id)
+    if (args.num_steps * args.local_num_envs) % args.num_minibatches != 0:
+        raise UsageError(
+            f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+            f"(--num-steps x --local-num-envs = {args.num_steps} x {args.local_num_envs})"
+        )
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+
+
+# ---------------------------------------------------------------- environments
+
+
+def check_env_id(env_id: str):
+    """One line naming the envs there are: xminigrid's MiniGrid tasks. Its XLand meta-RL envs sample their task from
+    a benchmark of rulesets that xminigrid downloads on first use (not part of the package), so they are not offered."""
+    import xminigrid
+
+    minigrid = [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
+    if env_id in minigrid:
+        return
+    hint = ""
+    if env_id.rsplit("-", 1)[-1].startswith("v") and env_id.rsplit("-", 1)[0] in minigrid:
+        hint = f" (xminigrid's ids have no version: {env_id.rsplit('-', 1)[0]})"
+    elif env_id.startswith("XLand-MiniGrid"):
+        hint = " (XLand-MiniGrid's meta-RL envs need a ruleset benchmark downloaded by xminigrid: not supported)"
+    raise UsageError(f"--env-id must be one of xminigrid's MiniGrid envs ({', '.join(minigrid)}), got {env_id!r}{hint}")
+
+
+def make_xminigrid(env_id: str):
+    """xminigrid's env and its (static) params, with envpool's auto-reset: the step after an episode's end resets the
+    env and ignores its action, as envpool does for the Sebulba scripts, so the same GAE and losses apply."""
+    import xminigrid
+    from xminigrid.wrappers import DmEnvAutoResetWrapper
+
+    env, env_params = xminigrid.make(env_id)
+    return DmEnvAutoResetWrapper(env), env_params
+
+
+class XMiniGridEnvs:
+    """`num_envs` xminigrid envs behind the gymnasium vector API that cleanrl_utils.evals steps (reset, step, render);
+    env i is seeded with `jax.random.key(seed + i)`."""
+
+    def __init__(self, env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
+        self.env, self.env_params = make_xminigrid(env_id)
+        self.keys = jax.vmap(jax.random.key)(seed + np.arange(num_envs, dtype=np.uint32))
+        self.render_mode, self.timestep = render_mode, None
+        self._reset = jax.jit(jax.vmap(lambda key: self.env.reset(self.env_params, key)))
+        self._step = jax.jit(jax.vmap(lambda timestep, action: self.env.step(self.env_params, timestep, action)))
+
+    def reset(self):
+        self.timestep = self._reset(self.keys)
+        return np.asarray(self.timestep.observation), {}
+
+    def step(self, actions):
+        self.timestep = timestep = self._step(self.timestep, jnp.asarray(actions, jnp.int32))
+        last, discount = np.asarray(timestep.last()), np.asarray(timestep.discount)
+        return (
+            np.asarray(timestep.observation),
+            np.asarray(timestep.reward),
+            last & (discount == 0),
+            last & (discount > 0),
+            {},
+        )
+
+    def render(self) -> np.ndarray:
+        """Env 0's whole grid as an RGB frame, in a batch of one (as envpool renders env 0)."""
+        return self.env.render(self.env_params, jax.tree.map(lambda x: x[0], self.timestep))[None]
+
+
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
+    """The evaluator's envs (cleanrl_utils.evals): training steps its envs inside the compiled update instead."""
+    return XMiniGridEnvs(env_id, seed, num_envs, render_mode)
+
+
+# ---------------------------------------------------------------- networks
+
+
+class MLP(nn.Module):
+    """Torso for the egocentric view, flattened (the Sebulba PPO script's MLP for vector observations)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1)).astype(jnp.float32)
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    """Policy logits and value, from separate actor and critic MLPs (as in CleanRL's classic-control PPO)."""
+
+    action_dim: int
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, obs):
+        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
+        return logits, value.squeeze(-1)
+
+
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
+    """The network for --env-id and its training state (params and optimizer), on the host."""
+    env, env_params = make_xminigrid(args.env_id)
+    agent = Agent(env.num_actions(env_params), tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, TrainState.create(
+        apply_fn=None,
+        params=agent.init(key, np.zeros((1, *env.observation_shape(env_params)), np.uint8)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
+            ),
+        ),
+    )
+
+
+# ---------------------------------------------------------------- math (the Sebulba PPO script's, unchanged)
+
+
+class Rollout(NamedTuple):
+    """One learner device's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1."""
+
+    obs: jax.Array
+    actions: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    rewards: jax.Array
+    terminations: jax.Array
+    truncations: jax.Array
+    valid: jax.Array  # False for the auto-reset step after an episode end: its action is ignored
+    bootstrap_value: jax.Array  # (1, envs): V(obs after the last step)
+
+
+class Batch(NamedTuple):
+    """The learner's samples: a rollout with advantages and returns, flattened over (time, envs)."""
+
+    obs: jax.Array
+    actions: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    valid: jax.Array
+
+
+def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
+
+    The env returns the true last observation of an episode together with its end flag and resets on the *next*
+    step, so the value stored at t+1 is V(last observation). A termination stops the bootstrap (its value is 0 by
+    definition); a time-limit truncation is not a termination, so it bootstraps from the value of the truncated
+    state. Either end stops the lambda-trace, since the transition after it is the reset step (masked out of the
+    loss by `valid`).
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    episode_ends = jnp.logical_or(terminations, truncations)
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values
+
+    def backward(next_advantage, step):
+        delta, episode_end = step
+        advantage = delta + gamma * gae_lambda * (1.0 - episode_end) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, episode_ends), reverse=True)
+    return advantages, advantages + values
+
+
+def ppo_loss_terms(
+    *,
+    new_logprobs,
+    entropy,
+    new_values,
+    old_logprobs,
+    old_values,
+    advantages,
+    returns,
+    valid,
+    normalizer,
+    clip_coef,
+    clip_vloss,
+):
+    """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
+    E[(r - 1) - log r] (Schulman 2020), unbiased and non-negative.
+    """
+    valid = valid.astype(jnp.float32)
+    logratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(logratio)
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef))
+    if clip_vloss:
+        clipped_values = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * jnp.maximum((new_values - returns) ** 2, (clipped_values - returns) ** 2)
+    else:
+        v_loss = 0.5 * (new_values - returns) ** 2
+    approx_kl = (ratio - 1) - logratio
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def categorical_logprob_entropy(logits, actions):
+    log_probs = jax.nn.log_softmax(logits)
+    logprob = jnp.take_along_axis(log_probs, actions[..., None], axis=-1).squeeze(-1)
+    entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return logprob, entropy
+
+
+# ---------------------------------------------------------------- actor: the envs, stepped on the learner devices
+
+
+class EnvState(NamedTuple):
+    """The envs and what the logger reads of them; every field has the env axis first (sharded over the devices)."""
+
+    timestep: object  # xminigrid's TimeStep: each env's state, last observation, reward and step type
+    action_keys: jax.Array  # each env's own key for its actions: the same stream on any device layout
+    episode_returns: jax.Array  # of the episode under way
+    episode_lengths: jax.Array
+    returned_episode_returns: jax.Array  # of each env's last finished episode (NaN before its first), as logged
+    returned_episode_lengths: jax.Array
+
+
+def reset_envs(env, env_params, key: jax.Array, num_envs: int, sharding: NamedSharding) -> EnvState:
+    """`num_envs` envs (all processes'), env i reset with key i of `key`'s split, laid out along the mesh."""
+
+    def reset(key):
+        reset_keys, action_keys = jax.random.split(key, (2, num_envs))
+        nan = jnp.full(num_envs, jnp.nan, jnp.float32)
+        timestep = jax.vmap(env.reset, in_axes=(None, 0))(env_params, reset_keys)
+        return EnvState(timestep, action_keys, jnp.zeros(num_envs), jnp.zeros(num_envs, jnp.int32), nan, nan)
+
+    return jax.jit(reset, out_shardings=sharding)(key)
+
+
+def rollout(*, agent: Agent, env, env_params, params, envs: EnvState, num_steps: int) -> tuple[EnvState, Rollout]:
+    """One device's envs stepped `num_steps` times with the current policy: a `vmap` over envs, scanned over time."""
+    step_envs = jax.vmap(env.step, in_axes=(None, 0, 0))
+
+    def step(envs: EnvState, _):
+        keys = jax.vmap(jax.random.split)(envs.action_keys)
+        obs, valid = envs.timestep.observation, ~envs.timestep.last()  # after an episode end: the reset step
+        logits, value = agent.apply(params, obs)
+        action = jax.vmap(jax.random.categorical)(keys[:, 1], logits)
+        logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
+        timestep = step_envs(env_params, envs.timestep, action)
+        episode_end = timestep.last()
+        terminated, truncated = episode_end & (timestep.discount == 0), episode_end & (timestep.discount > 0)
+        # each env's last finished episode (the Sebulba scripts' cleanrl_utils.logger.EpisodeStats, in JAX)
+        episode_returns = envs.episode_returns + timestep.reward
+        episode_lengths = envs.episode_lengths + valid
+        envs = EnvState(
+            timestep,
+            keys[:, 0],
+            jnp.where(episode_end, 0.0, episode_returns),
+            jnp.where(episode_end, 0, episode_lengths),
+            jnp.where(episode_end, episode_returns, envs.returned_episode_returns),
+            jnp.where(episode_end, episode_lengths, envs.returned_episode_lengths),
+        )
+        return envs, (obs, action, logprob, value, timestep.reward, terminated, truncated, valid)
+
+    envs, (obs, actions, logprobs, values, rewards, terminations, truncations, valid) = jax.lax.scan(
+        step, envs, length=num_steps
+    )
+    bootstrap_value = agent.apply(params, envs.timestep.observation)[1][None]
+    float32 = lambda x: x.astype(jnp.float32)
+    storage = Rollout(
+        obs,
+        actions,
+        logprobs,
+        values,
+        rewards,
+        float32(terminations),
+        float32(truncations),
+        valid,
+        bootstrap_value,
+    )
+    return envs, storage
+
+
+def episode_stats(envs: EnvState) -> dict:
+    """This process's envs' last finished episodes, for the logger (`cleanrl_utils.logger.EpisodeStats.read()`)."""
+    local = lambda x: np.concatenate([np.asarray(shard.data) for shard in x.addressable_shards])
+    return {
+        "returned_episode_returns": local(envs.returned_episode_returns),
+        "returned_episode_lengths": local(envs.returned_episode_lengths),
+    }
+
+
+# ---------------------------------------------------------------- learner: one compiled program per update
+
+
+class LearnerState(NamedTuple):
+    """What the learner carries from update to update, and what a checkpoint holds."""
+
+    agent: TrainState  # params and optimizer state, replicated over the learner devices
+    key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
+    envs: EnvState  # the envs, sharded along the env axis over the learner devices
+
+
+def make_learner_fns(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> Callable:
+    """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
+    advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`."""
+    replicated, sharded_envs = P(), P("batch")
+    state_specs = LearnerState(replicated, replicated, sharded_envs)
+    minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+
+    def prepare_batch(storage: Rollout) -> Batch:
+        """Advantages and returns, then flatten (T, envs) into samples."""
+        advantages, returns = compute_gae(
+            rewards=storage.rewards,
+            values=storage.values,
+            bootstrap_value=storage.bootstrap_value[0],
+            terminations=storage.terminations,
+            truncations=storage.truncations,
+            gamma=args.gamma,
+            gae_lambda=args.gae_lambda,
+        )
+        flat = lambda x: x.reshape((-1, *x.shape[2:]))
+        return Batch(
+            *map(
+                flat,
+                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
+            )
+        )
+
+    def loss_fn(params, minibatch: Batch):
+        logits, new_values = agent.apply(params, minibatch.obs)
+        new_logprobs, entropy = categorical_logprob_entropy(logits, minibatch.actions)
+        advantages, valid = minibatch.advantages, minibatch.valid
+        if args.norm_adv:
+            count = jnp.maximum(valid.sum(), 1)
+            mean = jnp.where(valid, advantages, 0).sum() / count
+            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
+            advantages = (advantages - mean) / (std + 1e-8)
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+            new_logprobs=new_logprobs,
+            entropy=entropy,
+            new_values=new_values,
+            old_logprobs=minibatch.logprobs,
+            old_values=minibatch.values,
+            advantages=advantages,
+            returns=minibatch.returns,
+            valid=valid,
+            normalizer=normalizer,
+            clip_coef=args.clip_coef,
+            clip_vloss=args.clip_vloss,
+        )
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+    def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
+        # this device's gradient (without shard_map's replication checks, see below), summed over the devices
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent_state.params, minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    def learn(batch: Batch, agent_state: TrainState, key):
+        def epoch(carry, _):
+            agent_state, key = carry
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            agent_state, metrics = jax.lax.scan(
+                lambda agent_state, index: minibatch_update(agent_state, batch, permutation, index),
+                agent_state,
+                jnp.arange(args.num_minibatches),
+            )
+            return (agent_state, key), metrics
+
+        (agent_state, key), metrics = jax.lax.scan(epoch, (agent_state, key), length=args.update_epochs)
+        return agent_state, key, metrics
+
+    def update(state: LearnerState) -> tuple[LearnerState, dict]:
+        agent_state, key, envs = state
+        envs, storage = rollout(
+            agent=agent, env=env, env_params=env_params, params=agent_state.params, envs=envs, num_steps=args.num_steps
+        )
+        agent_state, key, metrics = learn(prepare_batch(storage), agent_state, key)
+        metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
+        metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
+        return LearnerState(agent_state, key, envs), metrics
+
+    # check_vma=False: xminigrid's env step has `lax.cond`s with a constant branch, which shard_map's replication
+    # checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
+    update = jax.shard_map(
+        update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
+    )
+    return jax.jit(
+        update,
+        donate_argnums=(0,),
+    )
+
+
+# ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
+# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
+# `make_xminigrid`, `reset_envs`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `set_runtime_values` from this script)
+
+
+def saved_model(state: LearnerState) -> dict:
+    """What --save-model writes next to the flags: what `make_eval_policy` reads."""
+    return {"params": to_state_dict(local_value(state.agent.params))}
+
+
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
+    likely action, otherwise actions are sampled as in training."""
+    env, env_params = make_xminigrid(args.env_id)
+    agent = Agent(env.num_actions(env_params), tuple(args.hiddens))
+    params = jax.tree.map(jnp.asarray, model["params"])
+
+    @jax.jit
+    def act(params, obs, key):
+        logits, _ = agent.apply(params, obs)
+        key, subkey = jax.random.split(key)
+        return (jnp.argmax(logits, axis=-1) if greedy else jax.random.categorical(subkey, logits)), key
+
+    def policy(obs: np.ndarray, key: jax.Array):
+        actions, key = act(params, obs, key)
+        return np.asarray(actions), key
+
+    return policy
+
+
+# ---------------------------------------------------------------- main: the Anakin loop
+
+
+def set_runtime_values(args: Args, layout: DeviceLayout):
+    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+    check_int32_counts(
+        args,
+        {
+            "optimizer steps": (
+                "--update-epochs x --num-minibatches",  # the schedule's count
+                args.update_epochs * args.num_minibatches,
+            )
+        },
+    )
+
+
+def state_summary(state: LearnerState) -> str:
+    """Digests of the learner's state for the console: equal digests, bitwise equal states."""
+    return f"params sha256={tree_digest(state.agent.params)} envs sha256={tree_digest(state.envs)}"
+
+
+def main(args: Args) -> int:
+    validate_args(args)  # bad flags stop here, before JAX starts a backend
+    run = AnakinRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
+    # every key is the same in every process: each env's keys are its own slice of envs_key's split
+    agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
+    agent, agent_state = make_agent(args, agent_key)
+    env, env_params = make_xminigrid(args.env_id)
+    num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
+    envs = reset_envs(env, env_params, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
+    learner_update = make_learner_fns(args, agent, env, env_params, run.mesh)
+    # replicated over the mesh as the update returns them: the second update does not compile anew
+    state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
+    state = run.restore(state, state_summary)
+
+    # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
+    with run.supervise():  # SIGTERM / Ctrl-C end the loop after an update
+        for update in run.updates():
+            state, metrics = run.learn(update, learner_update, state)  # NaN or inf: stops, checkpointed
+            run.end_update(update, state, metrics, episode_stats(state.envs))  # log; checkpoint every ...
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, Args))
