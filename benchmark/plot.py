@@ -107,14 +107,14 @@ def find_runs(runs_dir: str, env_id: str, exp_name: str) -> dict[int, Path]:
     return {seed: path for seed, (_, path) in sorted(newest.items())}
 
 
-def read_run(run_dir: Path, tag: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, seconds since the run's first event, values) of one scalar."""
+def read_run(run_dir: Path, tag: str, since: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, seconds since `since` (a unix time; default: the run's first event), values) of one scalar."""
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
     if tag not in accumulator.Tags()["scalars"]:
         fail(f"{run_dir} has no scalar {tag}")
     events = accumulator.Scalars(tag)
-    start = accumulator.FirstEventTimestamp()
+    start = accumulator.FirstEventTimestamp() if since is None else since
     return (
         np.array([e.step for e in events]),
         np.array([e.wall_time - start for e in events]),

@@ -34,11 +34,14 @@ SCRIPTS = {
     "sac": "cleanba_sac_continuous_action_envpool_mujoco.py",
     "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
+    "ppo_anakin": "cleanba_ppo_anakin_xminigrid.py",
 }
 # per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)
 THRESHOLDS = {
     "CartPole-v1": (400.0, "issue #28's bar for CartPole (the maximum is 500)", 10_000),
     "Pendulum-v1": (-250.0, "issue #28's bar for Pendulum (a random policy averages about -1200)", 2_048),
+    # reaching the goal in the fewest steps (5) pays 1 - 0.9 x 5 / 100 = 0.955 (MiniGrid's reward); random play ~0.2
+    "MiniGrid-Empty-5x5": (0.9, "issue #29's bar for MiniGrid-Empty-5x5 (the best return is 0.955)", 10_240),
     "HalfCheetah-v4": (
         1442.64,
         "CleanRL's ppo_continuous_action after 1M steps (CleanRL docs, PPO page, MuJoCo v4 table)",
@@ -51,7 +54,7 @@ TAG = "charts/avg_episodic_return"
 @dataclass
 class Args:
     algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
-    """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero"""
+    """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     results: str = "benchmark/results/readme_commands.jsonl"
     """one JSON line per run is appended here"""
@@ -60,17 +63,25 @@ class Args:
     """run nothing: print the tables and draw the figures from the runs recorded in --results (the newest per seed)"""
 
 
-def readme_commands(readme: str) -> dict[str, str]:
-    """algorithm -> its CPU command in the README (continuation lines joined; `pip install uv && ` dropped; the GPU
+def readme_training_commands(readme: str) -> list[str]:
+    """The README's CPU training commands, in order (continuation lines joined; `pip install uv && ` dropped; the GPU
     command, with `--extra`, skipped)."""
     blocks = re.findall(r"```bash\n(.*?)```", Path(readme).read_text(), flags=re.S)
+    lines = [
+        " ".join(line.replace("pip install uv && ", "").split())
+        for b in blocks
+        for line in b.replace("\\\n", " ").splitlines()
+    ]
+    return [line for line in lines if "cleanba/cleanba_" in line and "--env-id" in line and "--extra" not in line]
+
+
+def readme_commands(readme: str) -> dict[str, str]:
+    """algorithm -> its CPU command in the README: the first that runs its script."""
     commands = {}
-    for block in blocks:
-        for command in block.replace("\\\n", " ").splitlines():
-            command = " ".join(command.replace("pip install uv && ", "").split())
-            for algorithm, script in SCRIPTS.items():
-                if f"cleanba/{script}" in command and "--extra" not in command and "--env-id" in command:
-                    commands.setdefault(algorithm, command)
+    for command in readme_training_commands(readme):
+        for algorithm, script in SCRIPTS.items():
+            if f"cleanba/{script}" in command:
+                commands.setdefault(algorithm, command)
     return commands
 
 

@@ -88,9 +88,11 @@ def validate_args(args: Args):
         unit_interval=["gamma", "gae_lambda"],
         positive_int_lists=["hiddens"],
     )
-    # importing xminigrid starts JAX's backend: the host devices the ids need come first
+    # importing xminigrid starts JAX's backend (its constants are arrays): the host devices the ids need come first;
+    # with --distributed it must wait for jax.distributed, and make_xminigrid checks the id in every process
     ensure_host_devices(args.learner_device_ids)
-    check_env_id(args.env_id)
+    if not args.distributed:
+        check_env_id(args.env_id)
     if (args.num_steps * args.local_num_envs) % args.num_minibatches != 0:
         raise UsageError(
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
@@ -124,6 +126,7 @@ def make_xminigrid(env_id: str):
     import xminigrid
     from xminigrid.wrappers import DmEnvAutoResetWrapper
 
+    check_env_id(env_id)
     env, env_params = xminigrid.make(env_id)
     return DmEnvAutoResetWrapper(env), env_params
 

@@ -260,11 +260,19 @@ def agreed_time() -> int:
 
 
 def replicate(tree, mesh):
-    """Host values, identical in every process, to one replicated global array per leaf over the mesh."""
+    """Host values, identical in every process, to one replicated global array per leaf over the mesh (a typed PRNG
+    key goes as its data, and is a key again on the mesh)."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    return jax.device_put(jax.device_get(tree), NamedSharding(mesh, PartitionSpec()))
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def replicated(x):
+        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(replicated(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        return jax.device_put(jax.device_get(x), sharding)
+
+    return jax.tree.map(replicated, tree)
 
 
 def local_value(tree):

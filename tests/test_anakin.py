@@ -1,0 +1,274 @@
+"""The Anakin PPO script (cleanba_ppo_anakin_xminigrid.py): its env factory, the layout-independence of its one compiled
+update, its rollout's bookkeeping against a plain loop, bad input, determinism and exact resume (the envs included),
+two processes, and learning MiniGrid-Empty-5x5 against the random policy."""
+
+import re
+import signal
+
+import jax
+import numpy as np
+import pytest
+from conftest import (
+    ANAKIN_SCRIPT,
+    finish_processes,
+    finish_script,
+    load_script,
+    run_script,
+    start_processes,
+    start_script,
+    wait_for_line,
+)
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cleanrl_utils.cli import parse_flags
+from cleanrl_utils.devices import replicate
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.evals.evaluate import run_episodes
+
+anakin = load_script(ANAKIN_SCRIPT)
+
+# tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
+TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
+DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
+# the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
+README_FLAGS = (
+    "--env-id MiniGrid-Empty-5x5 --local-num-envs 32 --num-steps 32 --num-minibatches 4 --update-epochs 4 "
+    "--learning-rate 1e-3 --hiddens 64 64 --total-timesteps 61440"
+).split()
+
+
+def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
+    env, env_params = anakin.make_xminigrid("MiniGrid-Empty-5x5")
+    assert env.num_actions(env_params) == 6 and tuple(env.observation_shape(env_params)) == (7, 7, 2)
+    envs = anakin.make_env("MiniGrid-Empty-5x5", seed=3, num_envs=2, render_mode="rgb_array")
+    obs, _ = envs.reset()
+    assert obs.shape == (2, 7, 7, 2) and obs.dtype == np.uint8
+    frame = envs.render()
+    assert frame.ndim == 4 and frame.shape[0] == 1 and frame.shape[-1] == 3 and frame.dtype == np.uint8
+    # Empty-5x5: the agent starts at (1, 1) facing right, the goal is at (3, 3): forward, forward, right, forward,
+    # forward (actions 0 forward, 1 right) reaches it in 5 steps, paid 1 - 0.9 x 5 / 100 (MiniGrid's reward)
+    rewards, ends = [], []
+    for action in [0, 0, 1, 0, 0]:
+        obs, reward, terminated, truncated, _ = envs.step(np.full(2, action))
+        rewards.append(reward[0]), ends.append((terminated[0], truncated[0]))
+    assert ends == [(False, False)] * 4 + [(True, False)]
+    np.testing.assert_allclose(rewards, [0, 0, 0, 0, 1 - 0.9 * 5 / 100], rtol=1e-6)
+    # envpool's auto-reset: the next step resets the env (its action is ignored) and pays nothing
+    reset_obs, reward, terminated, truncated, _ = envs.step(np.full(2, 0))
+    np.testing.assert_array_equal(reset_obs, envs.reset()[0])
+    assert reward[0] == 0 and not terminated[0] and not truncated[0]
+
+
+def tiny_args(**flags):
+    args = anakin.Args(hiddens=[16], num_steps=8, update_epochs=2, num_minibatches=1, norm_adv=False, **flags)
+    args.num_updates = 10
+    return args
+
+
+def run_updates(num_devices: int, total_envs: int, updates: int = 2):
+    """`updates` Anakin updates of `total_envs` envs spread over `num_devices` devices, as main makes them."""
+    args = tiny_args(local_num_envs=total_envs // num_devices, learner_device_ids=list(range(num_devices)))
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+    agent_key, learner_key, envs_key = jax.random.split(jax.random.key(1), 3)
+    agent, agent_state = anakin.make_agent(args, agent_key)
+    env, env_params = anakin.make_xminigrid(args.env_id)
+    envs = anakin.reset_envs(env, env_params, envs_key, total_envs, NamedSharding(mesh, P("batch")))
+    update = anakin.make_learner_fns(args, agent, env, env_params, mesh)
+    state = anakin.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
+    for _ in range(updates):
+        state, metrics = update(state)
+    assert np.isfinite(float(metrics["losses/loss"])) and "charts/learning_rate" in metrics
+    return jax.device_get(state.agent.params), anakin.tree_digest(state.envs), jax.device_get(metrics)
+
+
+def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update():
+    """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are bitwise
+    the same on one and on two devices, and the params (one minibatch: the same samples) equal up to float sums."""
+    one_params, one_envs, one_metrics = run_updates(1, 8)
+    two_params, two_envs, two_metrics = run_updates(2, 8)
+    assert one_envs == two_envs
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), one_params, two_params)
+    for name in ["losses/policy_loss", "losses/value_loss", "losses/entropy"]:
+        np.testing.assert_allclose(one_metrics[name], two_metrics[name], rtol=1e-5, atol=1e-6)
+    initial = jax.device_get(anakin.make_agent(tiny_args(local_num_envs=8), jax.random.split(jax.random.key(1), 3)[0]))
+    assert not np.allclose(jax.tree.leaves(one_params)[0], jax.tree.leaves(initial[1].params)[0])  # it did update
+
+
+def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_plain_loop():
+    """Against a plain loop over the rollout's own arrays: `valid` is False exactly after an episode end (the reset
+    step), terminations and truncations are the env's, and the returned episode statistics sum the rewards and count
+    the valid steps of each env's last finished episode (NaN before its first)."""
+    env, env_params = anakin.make_xminigrid("MiniGrid-Empty-5x5")
+    agent, agent_state = anakin.make_agent(tiny_args(local_num_envs=6), jax.random.key(0))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    envs = anakin.reset_envs(env, env_params, jax.random.key(5), 6, NamedSharding(mesh, P("batch")))
+    # 150 steps: random play ends episodes by the goal (terminations) and by the 100-step limit (truncations)
+    envs, storage = jax.jit(
+        lambda envs: anakin.rollout(
+            agent=agent, env=env, env_params=env_params, params=agent_state.params, envs=envs, num_steps=150
+        )
+    )(envs)
+    storage, envs = jax.device_get((storage, envs))
+    valid, terminations, truncations, rewards = (
+        storage.valid,
+        storage.terminations,
+        storage.truncations,
+        storage.rewards,
+    )
+    assert terminations.any() and truncations.any()
+    episode_return, episode_length = np.zeros(6), np.zeros(6)
+    last_return, last_length = np.full(6, np.nan), np.full(6, np.nan)
+    for t in range(150):
+        for i in range(6):
+            ended_before = t > 0 and (terminations[t - 1, i] or truncations[t - 1, i])
+            assert valid[t, i] == (not ended_before)
+            if not valid[t, i]:
+                assert rewards[t, i] == 0 and not terminations[t, i]
+            episode_return[i] += rewards[t, i]
+            episode_length[i] += valid[t, i]
+            if terminations[t, i] or truncations[t, i]:
+                assert not (terminations[t, i] and truncations[t, i])
+                last_return[i], last_length[i] = episode_return[i], episode_length[i]
+                episode_return[i], episode_length[i] = 0, 0
+    np.testing.assert_allclose(envs.returned_episode_returns, last_return, rtol=1e-6)
+    np.testing.assert_array_equal(envs.returned_episode_lengths, last_length)
+    assert np.all(last_length[~np.isnan(last_length)] <= 100)  # the time limit counts the valid steps
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "MiniGrid-Empty-5x5-v0"], "(xminigrid's ids have no version: MiniGrid-Empty-5x5)"),
+        (["--env-id", "XLand-MiniGrid-R1-9x9"], "XLand-MiniGrid's meta-RL envs need a ruleset benchmark"),
+        (["--env-id", "Breakout-v5"], "--env-id must be one of xminigrid's MiniGrid envs (MiniGrid-"),
+        (["--num-minibatches", "3"], "--num-minibatches (3) must divide the samples per learner device (--num-steps"),
+        (["--learning-rate", "-1"], "--learning-rate must be positive and finite, got -1.0"),
+        (["--gae-lambda", "2"], "--gae-lambda must be in [0, 1], got 2.0"),
+        (["--hiddens", "0"], "--hiddens must be one or more positive integers, got [0]"),
+        (["--learner-device-ids", "0", "0"], "--learner-device-ids must be one or more distinct device ids"),
+        (["--capture-video"], "--capture-video works on the model saved at the end of training: add --save-model"),
+    ],
+)
+def test_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
+    args = parse_flags(anakin.Args, [*TINY, *flags])
+    with pytest.raises(UsageError) as error:
+        anakin.validate_args(args)
+    assert message in str(error.value)
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_with_exit_code_2(workdir):
+    for flags, line in [
+        (["--env-id", "MiniGrid-Empty-5x5-v0"], "error: --env-id must be one of xminigrid's MiniGrid envs"),
+        (["--total-timesteps", "1"], "error: --total-timesteps (1) is smaller than one batch (128 = --local-num-envs"),
+        (["--local-num-envs", "banana"], "error: "),
+    ]:
+        run = run_script([*TINY, *flags], workdir, script=ANAKIN_SCRIPT, timeout=120)
+        assert run.returncode == 2, run.stderr[-2000:]
+        assert run.stderr.strip().count("\n") == 0 and run.stderr.startswith(line), run.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def seeded_runs(tmp_path_factory) -> dict:
+    """Two runs of the same seed; a third stopped by SIGTERM after update 4, then resumed by the same command (no
+    --resume: a --run-name with checkpoints resumes)."""
+    workdir = tmp_path_factory.mktemp("anakin")
+    flags = [*TINY, "--total-timesteps", "25600", "--checkpoint-frequency", "0"]  # 200 updates
+    first = run_script(flags, workdir, "first", script=ANAKIN_SCRIPT)
+    second = run_script(flags, workdir, "second", script=ANAKIN_SCRIPT)
+    stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
+    try:
+        lines = wait_for_line(stopped, "update=4/")
+        stopped.send_signal(signal.SIGTERM)
+        out, err = stopped.communicate(timeout=60)
+    finally:
+        stopped.kill()
+    resumed = finish_script(start_script(flags, workdir, "stopped", ANAKIN_SCRIPT), workdir, "stopped")
+    return {
+        "first": first,
+        "second": second,
+        "stopped": (stopped.returncode, "".join(lines) + out, err),
+        "resumed": resumed,
+    }
+
+
+def final_digests(out: str) -> tuple:
+    return DIGESTS.search(out.split("final ")[-1]).groups()
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_the_same_params_and_envs(seeded_runs):
+    first, second = seeded_runs["first"], seeded_runs["second"]
+    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
+    assert final_digests(first.stdout) == final_digests(second.stdout)
+    scalars = first.scalars()
+    for tag in ["charts/SPS", "charts/avg_episodic_return", "charts/learning_rate", "losses/approx_kl"]:
+        assert len(scalars[tag]) > 0, tag
+    assert [v for _, v in scalars["stats/actor_policy_version"]] == list(range(200))  # lag 0: the learner's policy
+    assert [step for step, _ in scalars["charts/SPS"]] == [128 * u for u in range(1, 201)]
+
+
+@pytest.mark.slow
+def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_runs):
+    returncode, out, err = seeded_runs["stopped"]
+    assert returncode == 143, err[-2000:]
+    stopped_update = int(re.findall(r"checkpoint saved: update=(\d+)", out)[-1])
+    assert 4 <= stopped_update < 200, out[-2000:]  # stopped mid-run, after the update the signal reached
+    saved = DIGESTS.search(out.split("checkpoint saved: ")[-1]).groups()
+    uninterrupted = final_digests(seeded_runs["first"].stdout)
+    resumed = seeded_runs["resumed"]
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from checkpoint: update={stopped_update} " in resumed.stdout
+    assert DIGESTS.search(resumed.stdout.split("resumed from checkpoint: ")[1]).groups() == saved
+    # the envs resume where they were: the whole run, params and envs, is the uninterrupted one
+    assert final_digests(resumed.stdout) == uninterrupted
+
+
+@pytest.mark.slow
+def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
+    flags = [*TINY, "--total-timesteps", "2560", "--num-minibatches", "1"]
+    results = finish_processes(start_processes(flags, workdir, 2, run_name="two", script=ANAKIN_SCRIPT))
+    for returncode, _, err in results:
+        assert returncode == 0, err[-3000:]
+    digests = [final_digests(out) for _, out, _ in results]
+    assert digests[0] == digests[1], "the processes' states differ"
+    # the same 16 envs on two devices of one process: the same env trajectories, bit for bit
+    one = run_script([*flags, "--learner-device-ids", "0", "1"], workdir, "one", script=ANAKIN_SCRIPT)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert final_digests(one.stdout)[1] == digests[0][1]
+
+
+@pytest.mark.slow
+def test_a_diverged_update_stops_with_one_line_and_the_last_finite_checkpoint(workdir):
+    run = run_script([*TINY, "--total-timesteps", "2560", "--learning-rate", "1e38"], workdir, script=ANAKIN_SCRIPT)
+    assert run.returncode == 1, run.stderr[-2000:]
+    error = run.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"error: update (\d+) diverged .* the last finite state is checkpoint \d+; .*", error), error
+
+
+def random_policy_return(env_id: str, episodes: int) -> float:
+    """Uniformly random actions on the script's own evaluation envs (XLand-MiniGrid's MiniGrid tasks)."""
+    envs = anakin.make_env(env_id, seed=123, num_envs=16)
+    rng = np.random.default_rng(0)
+    policy = lambda obs, key: (rng.integers(0, 6, size=len(obs)), key)
+    return float(np.mean(run_episodes(envs, policy, episodes, jax.random.key(0))))
+
+
+@pytest.mark.slow
+def test_the_readme_command_learns_minigrid_empty_and_saves_an_evaluated_model_with_a_video(workdir):
+    # Reaching the goal pays 1 - 0.9 x steps / 100 (MiniGrid), so the best return is ~0.96; the random policy's is
+    # measured here on the same envs (about 0.2)
+    run = run_script(
+        [*README_FLAGS, "--save-model", "--capture-video", "--eval-episodes", "16", "--log-frequency", "10"],
+        workdir,
+        script=ANAKIN_SCRIPT,
+        timeout=400,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = run.scalars()
+    trained = float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
+    random = random_policy_return("MiniGrid-Empty-5x5", episodes=200)
+    print(f"evaluation {trained:.3f}, random policy {random:.3f}, {scalars['charts/SPS'][-1][1]:.0f} SPS")
+    assert trained > 0.8 and trained > random + 0.5, (trained, random)
+    assert list((workdir / "videos" / "test").glob("eval-episode-0.mp4"))
