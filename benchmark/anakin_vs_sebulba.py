@@ -4,9 +4,11 @@
 
 1. **Side by side**: the README's two MiniGrid-Empty-5x5 commands (Sebulba PPO on envpool's
    MiniGrid-Empty-5x5-v0, Anakin PPO on xminigrid's MiniGrid-Empty-5x5: the same PPO, network and hyperparameters,
-   1,024 env steps per update), each seed one after the other: the steady SPS (env steps per second between the
-   5th and the last update, compilation left out), the wall time from process start to the first logged average
-   return of at least --target, and the whole run's wall time.
+   1,024 env steps per update), with --side-total-timesteps, and the Sebulba one again with --no-concurrency (lag
+   0, as Anakin), each seed one after the other: the steady SPS (env steps per second between the 5th and the
+   last update, compilation left out), the wall time from process start to the first update from which the mean
+   of 5 logged average returns reaches --target (the first few episodes to end are the short, successful ones:
+   a single logged value can reach it by luck), and the whole run's wall time.
 2. **Scaling**: Anakin's steady SPS with 64 ... 4096 envs per device (--num-steps 32, --envs-updates updates each),
    on one host device and on two (`--learner-device-ids 0 1`, the envs per device kept: twice the envs).
 
@@ -19,6 +21,7 @@ One run at a time, so the numbers are a quiet machine's. On a CPU the ratios are
 import json
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -32,10 +35,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from plot import fail, plt, read_run, save  # noqa: E402
 from readme_commands import readme_training_commands  # noqa: E402
 
+SEBULBA, ANAKIN = "cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py", "cleanba/cleanba_ppo_anakin_xminigrid.py"
+# name -> (script, flags added to its README command): Sebulba as the README runs it (the actor one policy version
+# behind), Sebulba with lag 0 (the actor waits for the newest params, as Anakin's always are), Anakin
 ARCHITECTURES = {
-    "Sebulba": "cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py",
-    "Anakin": "cleanba/cleanba_ppo_anakin_xminigrid.py",
+    "Sebulba": (SEBULBA, []),
+    "Sebulba --no-concurrency": (SEBULBA, ["--no-concurrency"]),
+    "Anakin": (ANAKIN, []),
 }
+SUSTAINED = 5  # the time to a return: the first logged update from which the mean of 5 logged updates reaches it
 TASK = "MiniGrid-Empty-5x5"  # envpool's id adds -v0
 SCALING_FLAGS = "--num-steps 32 --num-minibatches 4 --update-epochs 4 --learning-rate 1e-3 --hiddens 64 64"
 STEADY_FROM_UPDATE = 5  # the steady SPS counts from the 5th update's log: compilation and warm-up are before it
@@ -55,6 +63,10 @@ class Args:
     """numbers of host devices of the scaling runs"""
     results: str = "benchmark/results/anakin_vs_sebulba.jsonl"
     readme: str = "README.md"
+    side_total_timesteps: int = 122_880
+    """--total-timesteps of the side-by-side runs (120 updates: Sebulba, one version behind, needs about 100k)"""
+    parts: list[str] = field(default_factory=lambda: ["side", "scaling"])
+    """which measurements to run (side, scaling); the tables show the newest recorded run of every point"""
     table_only: bool = False
 
 
@@ -68,6 +80,7 @@ def readme_command(readme: str, script: str) -> str:
 def run(argv: list[str], workdir: Path, run_name: str) -> dict:
     """One run, as a user starts it; its wall time, steady SPS and return curve (seconds from process start)."""
     print(f"running: {shlex.join(argv)}", flush=True)
+    shutil.rmtree(workdir / "runs" / run_name, ignore_errors=True)  # a run of an earlier benchmark: not resumed
     start = time.time()
     process = subprocess.run([*argv, "--run-name", run_name], capture_output=True, text=True, cwd=workdir)
     wall = time.time() - start
@@ -87,15 +100,17 @@ def run(argv: list[str], workdir: Path, run_name: str) -> dict:
 
 
 def reached(record: dict, target: float) -> tuple[float, int] | None:
-    """(seconds from process start, env steps) at the first logged average return >= target."""
+    """(seconds from process start, env steps) at the first logged update from which the mean of SUSTAINED logged
+    average returns is at least `target`."""
     steps, seconds, returns = (np.array(x) for x in record["curve"])
-    hits = np.flatnonzero(returns >= target)
+    means = np.convolve(returns, np.ones(SUSTAINED) / SUSTAINED, mode="valid")
+    hits = np.flatnonzero(means >= target)
     return None if len(hits) == 0 else (float(seconds[hits[0]]), int(steps[hits[0]]))
 
 
 def side_by_side_table(records: list[dict], target: float):
     print(f"\n{TASK}, the README's commands: seeds one after the other ({platform.machine()}, one run at a time)")
-    print(f"| architecture | seed | steady SPS | wall time to return {target:g} (env steps) | whole run |")
+    print(f"| run | seed | steady SPS | wall time to return {target:g} (env steps) | whole run |")
     print("|---|---|---|---|---|")
     for record in records:
         hit = reached(record, target)
@@ -113,8 +128,8 @@ def side_by_side_table(records: list[dict], target: float):
             f"{target:g} {np.median(times) if times else float('nan'):.1f} s ({len(times)} of {len(rows)} seeds), "
             f"median run {np.median([r['wall_s'] for r in rows]):.1f} s"
         )
-    anakin, sebulba = (np.median([r["steady_sps"] for r in records if r["architecture"] == n]) for n in ARCHITECTURES)
-    print(f"Anakin / Sebulba steady SPS: {sebulba and anakin / sebulba:.1f}x")
+    median_sps = {n: np.median([r["steady_sps"] for r in records if r["architecture"] == n]) for n in ARCHITECTURES}
+    print(f"Anakin / Sebulba steady SPS: {median_sps['Anakin'] / median_sps['Sebulba']:.2f}x")
 
 
 def scaling_table(records: list[dict]):
@@ -132,7 +147,7 @@ def scaling_table(records: list[dict]):
 
 def draw(side: list[dict], scaling: list[dict], target: float):
     figure, (curves, sps) = plt.subplots(1, 2, figsize=(11, 3.8))
-    colors = {"Sebulba": "tab:blue", "Anakin": "tab:orange"}
+    colors = {"Sebulba": "tab:blue", "Sebulba --no-concurrency": "tab:green", "Anakin": "tab:orange"}
     for record in side:
         _, seconds, returns = record["curve"]
         label = record["architecture"] if record["seed"] == side[0]["seed"] else None
@@ -166,32 +181,34 @@ def main(args: Args):
             fail(f"{name} must be one or more {'non-negative' if name == '--seeds' else 'positive'} integers")
     if not args.devices or min(args.devices) < 1 or args.envs_updates < STEADY_FROM_UPDATE + 1:
         fail(f"--devices must be positive and --envs-updates at least {STEADY_FROM_UPDATE + 1}")
+    unknown = sorted(set(args.parts) - {"side", "scaling"})
+    if unknown:
+        fail(f"--parts: unknown {unknown}; expected side and/or scaling")
+    workdir = Path("benchmark/results/anakin_vs_sebulba_runs")
     records = []
-    if args.table_only:
-        records = [json.loads(line) for line in Path(args.results).read_text().splitlines()]
-    else:
-        workdir = Path("benchmark/results/anakin_vs_sebulba_runs")
+    if not args.table_only and "side" in args.parts:
         workdir.mkdir(parents=True, exist_ok=True)
-        python = [sys.executable]
         for seed in args.seeds:
-            for name, script in ARCHITECTURES.items():
+            for name, (script, extra) in ARCHITECTURES.items():
                 command = shlex.split(readme_command(args.readme, script).replace("uv run python ", ""))
-                argv = [*python, str(Path(command[0]).resolve()), *command[1:], "--seed", str(seed)]
-                records.append(
-                    {"part": "side", "architecture": name, "seed": seed, **run(argv, workdir, f"{name}-{seed}")}
-                )
-        anakin = str(Path(ARCHITECTURES["Anakin"]).resolve())
+                argv = [sys.executable, str(Path(command[0]).resolve()), *command[1:], *extra]
+                argv += ["--total-timesteps", str(args.side_total_timesteps), "--seed", str(seed)]
+                run_name = f"{name.replace(' --', '-')}-{seed}"
+                records.append({"part": "side", "architecture": name, "seed": seed, **run(argv, workdir, run_name)})
+    if not args.table_only and "scaling" in args.parts:
+        workdir.mkdir(parents=True, exist_ok=True)
         for devices in args.devices:
             for envs in args.envs_per_device:
                 flags = [*shlex.split(SCALING_FLAGS), "--local-num-envs", str(envs), "--checkpoint-frequency", "0"]
                 flags += ["--total-timesteps", str(envs * devices * 32 * args.envs_updates), "--log-frequency", "5"]
                 flags += ["--learner-device-ids", *map(str, range(devices))]
-                name = f"scaling-{envs}-{devices}"
-                result = run([*python, anakin, "--env-id", TASK, *flags], workdir, name)
+                argv = [sys.executable, str(Path(ANAKIN).resolve()), "--env-id", TASK, *flags]
+                result = run(argv, workdir, f"scaling-{envs}-{devices}")
                 records.append({"part": "scaling", "envs_per_device": envs, "devices": devices, **result})
-        with open(args.results, "a") as results:
-            for record in records:
-                results.write(json.dumps(record) + "\n")
+    with open(args.results, "a") as results:
+        for record in records:
+            results.write(json.dumps(record) + "\n")
+    records = [json.loads(line) for line in Path(args.results).read_text().splitlines()]
     # the newest run of each seed and of each scaling point counts
     newest = {
         (r["part"], r.get("architecture"), r.get("seed"), r.get("envs_per_device"), r.get("devices")): r

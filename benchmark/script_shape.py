@@ -19,8 +19,16 @@ SCRIPTS = {
     "sac": "cleanba_sac_continuous_action_envpool_mujoco.py",
     "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
+    "ppo_anakin": "cleanba_ppo_anakin_xminigrid.py",
 }
-PAIRS = [("ppo", "impala"), ("ppo", "mujoco_ppo"), ("mujoco_ppo", "sac"), ("sac", "r2d2"), ("sac", "muzero")]
+PAIRS = [
+    ("ppo", "impala"),
+    ("ppo", "mujoco_ppo"),
+    ("mujoco_ppo", "sac"),
+    ("sac", "r2d2"),
+    ("sac", "muzero"),
+    ("ppo", "ppo_anakin"),
+]
 
 
 def read(path: str, rev: str | None) -> str:

@@ -162,7 +162,6 @@ def test_bad_input_is_one_line_with_exit_code_2(workdir):
     for flags, line in [
         (["--env-id", "MiniGrid-Empty-5x5-v0"], "error: --env-id must be one of xminigrid's MiniGrid envs"),
         (["--total-timesteps", "1"], "error: --total-timesteps (1) is smaller than one batch (128 = --local-num-envs"),
-        (["--local-num-envs", "banana"], "error: "),
     ]:
         run = run_script([*TINY, *flags], workdir, script=ANAKIN_SCRIPT, timeout=120)
         assert run.returncode == 2, run.stderr[-2000:]

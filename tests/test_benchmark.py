@@ -207,3 +207,26 @@ def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
     )
     assert process.returncode == 2, process.stderr
     assert process.stderr.strip().startswith("error: --algorithms: unknown ['dqn']"), process.stderr
+
+
+# ---------------------------------------------------------------- benchmark/anakin_vs_sebulba.py
+
+
+def test_time_to_a_return_is_the_first_update_of_a_sustained_mean_as_a_plain_loop_finds_it():
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from anakin_vs_sebulba import SUSTAINED, reached
+
+    rng = np.random.default_rng(1)
+    steps = np.arange(1, 121) * 1024
+    seconds = 8.0 + np.arange(120) * 0.05
+    returns = np.clip(np.linspace(0.1, 1.0, 120) + rng.normal(scale=0.15, size=120), 0, 0.955)
+    returns[0] = 0.95  # the first episodes to end are short, successful ones: one lucky logged value
+    record = {"curve": [steps.tolist(), seconds.tolist(), returns.tolist()]}
+    expected = None
+    for i in range(len(returns) - SUSTAINED + 1):
+        if sum(returns[i : i + SUSTAINED]) / SUSTAINED >= 0.9:
+            expected = (seconds[i], steps[i])
+            break
+    assert expected is not None and expected[1] > steps[0]
+    assert reached(record, 0.9) == (float(expected[0]), int(expected[1]))
+    assert reached(record, 2.0) is None

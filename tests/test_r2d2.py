@@ -421,12 +421,13 @@ def start(flags: list[str], cwd, run_name: str, mask: str | None = None) -> subp
     return start_script(flags, cwd, run_name, R2D2_SCRIPT, command=masked)
 
 
-LAYOUTS = {"a0-l0": ["0"], "a0-l1": ["1"], "a0-l1,2": ["1", "2"]}
+# the actor's device shared with the learner, and apart from a learner of two devices (a0-l1 is the second's case)
+LAYOUTS = {"a0-l0": ["0"], "a0-l1,2": ["1", "2"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Shared by the tests below, started a few at a time (they are small): tiny Breakout in three device layouts;
+    """Shared by the tests below, started a few at a time (they are small): tiny Breakout in two device layouts;
     two same-seed CartPole runs and one stopped by SIGTERM, then two resumes of its checkpoint; a two-process run
     whose saved (recurrent) model process 0 evaluates."""
     workdir = tmp_path_factory.mktemp("r2d2")

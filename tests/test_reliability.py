@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    ANAKIN_SCRIPT,
     IMPALA_SCRIPT,
     MUJOCO_SCRIPT,
     MUZERO_SCRIPT,
@@ -49,6 +50,7 @@ SCRIPTS = {
     "sac": SAC_SCRIPT,
     "r2d2": R2D2_SCRIPT,
     "muzero": MUZERO_SCRIPT,
+    "anakin": ANAKIN_SCRIPT,
 }
 
 

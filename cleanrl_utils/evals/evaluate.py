@@ -30,7 +30,6 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from cleanrl_utils.envs import env_family
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import MAX_SEED, check_flags
 
@@ -270,6 +269,8 @@ def check_capture_video(script: str | os.PathLike, env_id: str):
     """Fail now (UsageError) if env 0 of `env_id` cannot be rendered here, rather than after training."""
     probe = subprocess.run([sys.executable, "-c", _RENDER_PROBE, str(script), env_id], capture_output=True, text=True)
     if probe.returncode != 0:
+        from cleanrl_utils.envs import env_family  # envpool's families: imported only here (an Anakin run has none)
+
         lines = [line.strip() for line in probe.stderr.splitlines() if line.strip()]
         reason = lines[-1][:200] if lines else f"exit code {probe.returncode}"
         why = (
