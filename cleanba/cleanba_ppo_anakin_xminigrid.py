@@ -575,7 +575,8 @@ def main(args: Args) -> int:
     with run.supervise():  # SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
             state, metrics = run.learn(update, learner_update, state)  # NaN or inf: stops, checkpointed
-            run.end_update(update, state, metrics, episode_stats(state.envs))  # log; checkpoint every ...
+            # log (with this process's envs' episodes); checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, episode_stats(state.envs))
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 
