@@ -159,23 +159,20 @@ def test_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
 
 @pytest.mark.slow
 def test_bad_input_is_one_line_with_exit_code_2(workdir):
-    for flags, line in [
-        (["--env-id", "MiniGrid-Empty-5x5-v0"], "error: --env-id must be one of xminigrid's MiniGrid envs"),
-        (["--total-timesteps", "1"], "error: --total-timesteps (1) is smaller than one batch (128 = --local-num-envs"),
-    ]:
-        run = run_script([*TINY, *flags], workdir, script=ANAKIN_SCRIPT, timeout=120)
-        assert run.returncode == 2, run.stderr[-2000:]
-        assert run.stderr.strip().count("\n") == 0 and run.stderr.startswith(line), run.stderr[-2000:]
+    """The CLI's side of the in-process checks above (the shared flags' lines are tested with the Sebulba scripts)."""
+    run = run_script([*TINY, "--env-id", "MiniGrid-Empty-5x5-v0"], workdir, script=ANAKIN_SCRIPT, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
+    assert run.stderr.startswith("error: --env-id must be one of xminigrid's MiniGrid envs"), run.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
 def seeded_runs(tmp_path_factory) -> dict:
-    """Two runs of the same seed; a third stopped by SIGTERM after update 4, then resumed by the same command (no
+    """A run, and a second run of the same seed stopped by SIGTERM after update 4, then resumed by the same command (no
     --resume: a --run-name with checkpoints resumes)."""
     workdir = tmp_path_factory.mktemp("anakin")
     flags = [*TINY, "--total-timesteps", "25600", "--checkpoint-frequency", "0"]  # 200 updates
     first = run_script(flags, workdir, "first", script=ANAKIN_SCRIPT)
-    second = run_script(flags, workdir, "second", script=ANAKIN_SCRIPT)
     stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
     try:
         lines = wait_for_line(stopped, "update=4/")
@@ -186,7 +183,6 @@ def seeded_runs(tmp_path_factory) -> dict:
     resumed = finish_script(start_script(flags, workdir, "stopped", ANAKIN_SCRIPT), workdir, "stopped")
     return {
         "first": first,
-        "second": second,
         "stopped": (stopped.returncode, "".join(lines) + out, err),
         "resumed": resumed,
     }
@@ -197,10 +193,9 @@ def final_digests(out: str) -> tuple:
 
 
 @pytest.mark.slow
-def test_the_same_seed_gives_the_same_params_and_envs(seeded_runs):
-    first, second = seeded_runs["first"], seeded_runs["second"]
-    assert first.returncode == 0 and second.returncode == 0, first.stderr[-2000:] + second.stderr[-2000:]
-    assert final_digests(first.stdout) == final_digests(second.stdout)
+def test_a_run_logs_every_update_with_the_actor_at_the_learners_version(seeded_runs):
+    first = seeded_runs["first"]
+    assert first.returncode == 0, first.stderr[-2000:]
     scalars = first.scalars()
     for tag in ["charts/SPS", "charts/avg_episodic_return", "charts/learning_rate", "losses/approx_kl"]:
         assert len(scalars[tag]) > 0, tag
@@ -220,7 +215,8 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from checkpoint: update={stopped_update} " in resumed.stdout
     assert DIGESTS.search(resumed.stdout.split("resumed from checkpoint: ")[1]).groups() == saved
-    # the envs resume where they were: the whole run, params and envs, is the uninterrupted one
+    # the envs resume where they were: the whole run, params and envs, is the uninterrupted one (so a seed's run is
+    # reproducible too: the stopped run is a second run of the same seed)
     assert final_digests(resumed.stdout) == uninterrupted
 
 
