@@ -222,10 +222,18 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
 
 @pytest.mark.slow
 def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
+    """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see."""
     flags = [*TINY, "--total-timesteps", "2560", "--num-minibatches", "1"]
-    results = finish_processes(start_processes(flags, workdir, 2, run_name="two", script=ANAKIN_SCRIPT))
+    hosts, shared = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints"
+    for host in hosts:
+        host.mkdir()
+    results = finish_processes(
+        start_processes([*flags, "--checkpoint-dir", str(shared)], hosts, 2, run_name="two", script=ANAKIN_SCRIPT)
+    )
     for returncode, _, err in results:
         assert returncode == 0, err[-3000:]
+    # the final checkpoint (10 updates of 16 envs x 16 steps), written by both processes into the shared folder
+    assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10"]
     digests = [final_digests(out) for _, out, _ in results]
     assert digests[0] == digests[1], "the processes' states differ"
     # the same 16 envs on two devices of one process: the same env trajectories, bit for bit
