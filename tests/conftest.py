@@ -62,6 +62,21 @@ def load_script(path: Path = PPO_SCRIPT):
     return load(path)
 
 
+def one_error_line(flags: list[str], script, workdir, monkeypatch, capsys) -> str:
+    """What `python script.py FLAGS` prints, in this process: exit code 2, one error line, nothing started."""
+    from cleanrl_utils.cli import run_cli
+
+    module = load_script(script)
+    monkeypatch.chdir(workdir)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(module.main, module.Args, flags)  # what `python script.py FLAGS` runs
+    assert exit_info.value.code == 2
+    error_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1, error_lines
+    assert not (workdir / "runs").exists()  # nothing was started: no run folder, no replay allocated
+    return error_lines[0]
+
+
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a run's TensorBoard event files: tag -> [(step, value), ...]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -197,32 +212,49 @@ def finish_processes(processes: list[subprocess.Popen], timeout: float = 300) ->
     return [(process.returncode, out, err) for process, (out, err) in zip(processes, outputs)]
 
 
-def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[str], long: list[str]) -> dict:
-    """The runs a replay script's determinism and resume tests read, started a few at a time: "first" and "second"
-    (`flags` twice), "stopped" (`long`, SIGTERM after update 4: (exit code, stdout, stderr)), then "resumed" and
-    "resumed_again" (its checkpoint resumed in its folder and in a copy in another folder). `start(flags, cwd,
-    run_name)` starts one run."""
+def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[str]) -> dict:
+    """The runs a replay script's determinism and resume tests read, started a few at a time: "first" (`flags`, a
+    checkpoint after every update, so its console shows the digests of every update's state), "stopped" (the same
+    seed again, SIGTERM after update 4: (exit code, stdout, stderr), and "stopped_scalars", what it logged), then
+    "resumed" and "resumed_again" (its checkpoint resumed in its folder and in a copy in another folder).
+    `start(flags, cwd, run_name)` starts one run."""
     workdir = tmp_path_factory.mktemp(name)
-    first, second, stopped = (
-        start(flags, workdir, "first"),
-        start(flags, workdir, "second"),
-        start(long, workdir, "stopped"),
-    )
+    first, stopped = start([*flags, "--checkpoint-frequency", "1"], workdir, "first"), start(flags, workdir, "stopped")
     try:
         lines = wait_for_line(stopped, "update=4/")
         stopped.send_signal(signal.SIGTERM)
         out, err = stopped.communicate(timeout=120)
-        result = {"first": finish_script(first, workdir, "first"), "second": finish_script(second, workdir, "second")}
+        result = {"first": finish_script(first, workdir, "first")}
     finally:
-        for process in [first, second, stopped]:
+        for process in [first, stopped]:
             process.kill()
     result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
+    result["stopped_scalars"] = read_scalars(workdir / "runs" / "stopped")
     copy = tmp_path_factory.mktemp(f"{name}_copy")  # the same run (--run-name is a flag of the run) in another folder
     shutil.copytree(workdir / "runs" / "stopped", copy / "runs" / "stopped")
-    resumed, resumed_again = start(long, workdir, "stopped"), start(long, copy, "stopped")
+    resumed, resumed_again = start(flags, workdir, "stopped"), start(flags, copy, "stopped")
     result["resumed"] = finish_script(resumed, workdir, "stopped")
     result["resumed_again"] = finish_script(resumed_again, copy, "stopped")
     return result
+
+
+def assert_same_seed_same_run(runs: dict, digests: re.Pattern, tags: list[str]) -> list[int]:
+    """The checks of `same_seed_and_resumed_runs`'s same-seed pair: the stopped run (the seed's second run) saved, at
+    the update it stopped after, the very state (`digests`: its groups) the first run had there, and logged the same
+    `tags` at every update up to it. Returns the env steps at which "first" logged `tags[0]`."""
+    first, (returncode, out, err) = runs["first"], runs["stopped"]
+    assert first.returncode == 0 and returncode == 143, first.stderr[-3000:] + err[-3000:]
+    update = re.findall(r"checkpoint saved: update=(\d+)", out)[-1]
+    at_update = rf"checkpoint saved: update={update} .*"
+    first_state, stopped_state = (
+        digests.search(re.search(at_update, text).group(0)).groups() for text in [first.stdout, out]
+    )
+    assert first_state == stopped_state, f"the states at update {update} differ"
+    logged, stopped = first.scalars(), runs["stopped_scalars"]
+    for tag in tags:
+        assert 0 < len(stopped[tag]) < len(logged[tag]), tag
+        assert stopped[tag] == logged[tag][: len(stopped[tag])], tag
+    return [step for step, _ in logged[tags[0]]]
 
 
 def resumes_on_other_layouts(tmp_path_factory, name: str, script: Path, flags: list[str], two: Path) -> dict:

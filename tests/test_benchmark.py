@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import PPO_SCRIPT, REPO, script_env
+from conftest import PPO_SCRIPT, REPO, load_script, script_env
 
 TINY_CARTPOLE = (
     f"{sys.executable} {PPO_SCRIPT} --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
@@ -178,6 +178,20 @@ def test_readme_commands_finds_every_algorithms_cpu_command_with_a_known_bar():
         assert command.startswith(f"uv run python cleanba/{readme_commands.SCRIPTS[algorithm]} "), command
         assert "--extra" not in command and "\\" not in command and "pip" not in command, command
         assert readme_commands.env_id_of(command) in readme_commands.THRESHOLDS, command
+
+
+def test_readme_commands_parse_and_pass_their_scripts_checks():
+    """Every README CPU command's flags are its script's and pass the checks a run makes before training (what
+    they learn, five seeds each, is benchmark/readme_commands.py's: docs/rl-algorithms/*.md)."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import readme_commands
+
+    from cleanrl_utils.cli import parse_flags
+
+    for algorithm, command in readme_commands.readme_commands(str(REPO / "README.md")).items():
+        module = load_script(REPO / "cleanba" / readme_commands.SCRIPTS[algorithm])
+        flags = command.split()[4:]  # after "uv run python cleanba/SCRIPT.py"
+        module.validate_args(parse_flags(module.Args, flags))
 
 
 def test_window_averages_match_a_plain_loop():

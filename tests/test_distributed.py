@@ -5,7 +5,15 @@ import signal
 import time
 
 import pytest
-from conftest import CARTPOLE_LEARNING, finish_processes, read_scalars, run_script, start_processes, wait_for_line
+from conftest import (
+    CARTPOLE_LEARNING,
+    best_window,
+    finish_processes,
+    read_scalars,
+    run_script,
+    start_processes,
+    wait_for_line,
+)
 
 # every test here starts two processes (jax.distributed on 127.0.0.1): the slow tier
 pytestmark = pytest.mark.slow
@@ -54,16 +62,18 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
                 process.communicate()
 
 
-def test_one_and_two_processes_learn_alike_with_the_same_global_batch(workdir, cartpole_learning_run):
-    one = cartpole_learning_run  # 1 process x 8 envs
-    assert one.returncode == 0, one.stderr
-    results = finish_processes(
-        start_processes([*CARTPOLE_LEARNING, "--local-num-envs", "4"], workdir, 2, run_name="two"), timeout=600
-    )
+def test_two_processes_learn_cartpole_with_the_global_batch_of_one(workdir):
+    """The README's CartPole PPO command (8 envs in one process: tests/test_learning.py) as two processes of 4 envs,
+    the same global batch, for 100k env steps: from random play (about 20 per episode at the first update) to a best
+    10k-step window of at least 200. Measured, seeds 1 and 2: 270 and 439 (the one-process run passes 400 between
+    44k and 121k of its 250k steps, benchmark/results/readme_commands.jsonl). On this one-core machine a step of two
+    processes costs four to five of one (34-43 s for these 100k steps, 21 s for the one process's 250k)."""
+    flags = [*CARTPOLE_LEARNING, "--local-num-envs", "4", "--total-timesteps", "100000"]  # the last value counts
+    results = finish_processes(start_processes(flags, workdir, 2, run_name="two"), timeout=600)
     assert all(returncode == 0 for returncode, _, _ in results), results[0][2] + results[1][2]
-    for run_dir in [one.run_dir, workdir / "runs" / "two"]:
-        returns = [value for _, value in read_scalars(run_dir)["charts/avg_episodic_return"]]
-        assert max(returns) >= 400, f"{run_dir.name}: best average return {max(returns):.0f}"
+    returns = read_scalars(workdir / "runs" / "two")["charts/avg_episodic_return"]
+    assert returns[0][1] < 50, returns[:5]
+    assert best_window(returns, 10_000) >= 200, returns[::5]
 
 
 def test_sigterm_to_every_process_checkpoints_one_update_and_resumes(workdir):

@@ -22,9 +22,10 @@ def versions(scalars):
     return actor, learner
 
 
+# the actor's device shared with the learner, and apart from a learner of two devices (a0-l1, the usual CPU layout, is
+# that of most other runs of the suite)
 LAYOUTS = [
     ("ppo", ["0"], ["0"]),
-    ("ppo", ["0"], ["1"]),
     ("ppo", ["0"], ["1", "2"]),
     ("impala", ["0"], ["0"]),
     ("impala", ["0"], ["1", "2"]),
