@@ -6,15 +6,32 @@ Every script calls `check_env_id` in validate_args (one UsageError line, before 
 """
 
 import ast
+import importlib.util
 import os
+import sys
+import types
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import envpool
-import gymnasium
-import numpy as np
 
-from cleanrl_utils.errors import UsageError
+def _without_envpools_jumanji_package():
+    """envpool registers every family it has when it is imported, and the package of its Jumanji envs imports
+    matplotlib.pyplot for their renderers: 1.1 s of every run's start, about a sixth of a tiny run. No script here
+    takes a Jumanji id (`FAMILIES`), so that package is an empty one in our processes: its ids still register from
+    its registration module, and making one of them fails (they are refused with one line before that)."""
+    envpool_folders = importlib.util.find_spec("envpool").submodule_search_locations
+    jumanji = types.ModuleType("envpool.jumanji", "envpool's Jumanji envs: not loaded (cleanrl_utils.envs)")
+    jumanji.__path__ = [os.path.join(folder, "jumanji") for folder in envpool_folders]
+    sys.modules.setdefault("envpool.jumanji", jumanji)
+
+
+_without_envpools_jumanji_package()
+
+import envpool  # noqa: E402 (after the function above)
+import gymnasium  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cleanrl_utils.errors import UsageError  # noqa: E402
 
 
 class Family(NamedTuple):

@@ -4,13 +4,15 @@ runs for it (tags, version lag, exit 0, the saved model evaluated), R2D2 and MuZ
 VizDoom and Procgen against a random policy measured in the same test."""
 
 import os
+import subprocess
+import sys
 import types
 
 import gymnasium
 import jax
 import numpy as np
 import pytest
-from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, run_script
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, REPO, run_script
 from flax.serialization import to_state_dict
 
 from cleanrl_utils import envs as env_families
@@ -180,6 +182,7 @@ def test_each_kind_of_script_takes_the_ids_of_its_actions(env_id, discrete):
             "--env-id 'BabyAI-GoToObj-v0' is not supported (BabyAI's missions need a text encoder)",
         ),
         ("Pong-v99", True, "--env-id 'Pong-v99' is not supported: use"),
+        ("Game2048-v1", True, "--env-id 'Game2048-v1' is not supported: use"),  # envpool's Jumanji: not loaded
     ],
 )
 def test_unsupported_ids_are_one_line(env_id, discrete, message):
@@ -298,6 +301,18 @@ def test_a_family_that_cannot_start_says_what_to_install(monkeypatch):
         r"apt-get install libqt5gui5 \(Debian/Ubuntu\)$",
     ):
         env_families.check_env_id("BigfishEasy-v0", discrete=True)
+
+
+def test_envpool_starts_without_its_jumanji_package():
+    """cleanrl_utils.envs leaves envpool's Jumanji package out (its renderers import matplotlib.pyplot: 1.1 s of every
+    run's start): a fresh process makes an env of a family of ours without loading matplotlib."""
+    code = (
+        "import sys; import cleanrl_utils.envs as e; e.make_envpool('CartPole-v1', 0, 1); "
+        "print([name for name in sys.modules if name.split('.')[0] == 'matplotlib'])"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip() == "[]", completed.stdout[-2000:]
 
 
 def trained_and_random_returns(
