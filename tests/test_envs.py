@@ -21,9 +21,9 @@ from cleanrl_utils.evals.evaluate import check_capture_video, load_script
 
 TINY_IMAGE = "--local-num-envs 4 --num-steps 8 --num-minibatches 2 --channels 4 --hiddens 16".split()
 TINY_RUN = "--num-actor-threads 1 --total-timesteps 96 --log-frequency 1 --save-model --eval-episodes 1".split()
-# family -> (script, example id, tiny flags): IMPALA on MiniGrid, Procgen and Football, PPO on VizDoom (with
-# --env-options, which the saved model's evaluation must rebuild: it fails on 84x84x12 frames otherwise), MuJoCo PPO
-# on dm_control; the learning tests below run the same checks on longer runs
+# family -> (script, example id, tiny flags): IMPALA on MiniGrid, Procgen and Football (the learning tests below
+# train PPO on them); VizDoom (PPO, with --env-options the saved model's evaluation must rebuild) and dm_control
+# (MuJoCo PPO) are run, saved and evaluated by their learning tests, with the same scripts
 FAMILY_RUNS = {
     "minigrid": (
         IMPALA_SCRIPT,
@@ -32,12 +32,6 @@ FAMILY_RUNS = {
     ),
     "procgen": (IMPALA_SCRIPT, "BigfishEasy-v0", TINY_IMAGE),
     "football": (IMPALA_SCRIPT, "gfootball/academy_empty_goal_close-v1", TINY_IMAGE),
-    "vizdoom": (PPO_SCRIPT, "Basic-v1", [*TINY_IMAGE, "--env-options", "img_height=30", "img_width=45", "stack_num=1"]),
-    "dm_control": (
-        MUJOCO_SCRIPT,
-        "CartpoleBalance-v1",
-        "--local-num-envs 2 --num-steps 16 --hiddens 8 --num-minibatches 2 --update-epochs 1".split(),
-    ),
 }
 
 
