@@ -1,0 +1,888 @@
+"""Sebulba's configurable on-policy agent (SEED RL's, after Andrychowicz et al. 2021, "What matters in on-policy
+reinforcement learning? A large-scale empirical study"): one Gaussian actor-critic whose policy loss is a flag,
+`--policy-loss {vpg,ppo,vtrace,awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`;
+everything else (system, networks, normalization, optimizer, epochs and minibatches) is held equal, so one script
+runs the study's comparison of policy losses.
+
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimators, the five
+policy losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. It is the MuJoCo PPO
+script (cleanba_ppo_continuous_action_envpool_mujoco.py) with the losses added: `diff` the two to see them. What is
+the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
+cleanrl_utils/, one small module each.
+
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
+own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
+learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
+learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
+skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
+behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
+data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
+gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+
+The policy losses, each a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
+- vpg: the policy gradient, -A log pi(a|s) (Williams 1992), one epoch by default;
+- ppo: the clipped surrogate of the MuJoCo PPO script (Schulman et al. 2017), the same function;
+- vtrace: IMPALA's policy gradient, -min(rho_bar, pi/mu) A log pi(a|s) (Espeholt et al. 2018, Sec. 4.2);
+- awr: advantage-weighted regression, -min(exp(A / beta), max_weight) log pi(a|s) (Peng et al. 2019, Sec. 3);
+- vmpo: V-MPO's E-step (a softmax of A / eta over the top half of the advantages) and M-step (weighted maximum
+  likelihood under KL constraints on the Gaussian's mean and std), with the temperature eta and the two KL
+  multipliers learned as Lagrange multipliers (Song et al. 2019, Sec. 3-4), rlax's V-MPO functions.
+The value loss, entropy bonus and approx-KL are the PPO script's for every loss.
+"""
+
+import queue
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Literal, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import rlax
+from flax.serialization import to_state_dict
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from cleanrl_utils.actors import ActorThread
+from cleanrl_utils.checkpoints import tree_digest
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, local_value, replicate
+from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.run import SebulbaRun
+from cleanrl_utils.saved_model import check_save_model_flags
+
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+
+
+@dataclass
+class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.py), then the agent's
+    env_id: str = "HalfCheetah-v4"
+    """the id of an envpool env with continuous actions: gym MuJoCo (HalfCheetah-v4, Hopper-v4, ...), DeepMind
+    Control (CheetahRun-v1, CartpoleBalance-v1, ...: dict observations flattened by make_env) or Pendulum-v1"""
+    env_options: list[str] = field(default_factory=list)
+    """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
+    frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
+    total_timesteps: int = 1_000_000
+    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)
+    (in [1, 2**53])"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
+    local_num_envs: int = 4
+    """the number of parallel game environments of each actor thread (positive)"""
+    num_steps: int = 256
+    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)
+    (positive)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
+    gamma: float = 0.99
+    """the discount factor gamma (PPO paper, Table 3) (in [0, 1])"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation (PPO paper, Table 3) (in [0, 1])"""
+    num_minibatches: int = 32
+    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64) (positive)"""
+    update_epochs: int | None = None
+    """the K epochs to update the policy: 10 (PPO paper, Table 3), except 1 for vpg, whose gradient is that of the
+    rollout's own policy (positive)"""
+    norm_adv: bool = True
+    """toggles advantages normalization (per minibatch)"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2) (positive, finite)"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
+    vf_coef: float = 0.5
+    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)
+    (non-negative, finite)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
+    hiddens: list[int] = field(default_factory=lambda: [64, 64])
+    """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
+    policy_loss: Literal["vpg", "ppo", "vtrace", "awr", "vmpo"] = "ppo"
+    """the policy loss, the study's choice (Andrychowicz et al. 2021, Sec. 3.1; the module docstring says each)"""
+    advantage_estimator: Literal["gae", "vtrace"] = "gae"
+    """the advantages and value targets: GAE (Schulman et al. 2016) or V-trace (Espeholt et al. 2018), which corrects
+    for the actor's policy being one version behind; both with --gae-lambda (SEED RL's MuJoCo PPO config: 0.95)"""
+    vtrace_rho_bar: float = 1.0
+    """V-trace's rho clip, of the vtrace loss and estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (positive, finite)"""
+    vtrace_c_bar: float = 1.0
+    """V-trace's trace clip c, of the vtrace estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (in (0, 1])"""
+    awr_beta: float = 1.0
+    """AWR's temperature beta, on advantages normalized by --norm-adv (Peng et al. 2019, Table 3 of the appendix and
+    their code's MuJoCo configs: 1.0) (positive, finite)"""
+    awr_max_weight: float = 20.0
+    """AWR's weight clip, the largest exp(A / beta) (Peng et al. 2019, appendix Table 3: 20) (positive, finite)"""
+    vmpo_eps_eta: float = 0.01
+    """V-MPO's bound on the KL of its E-step distribution from the rollout's (Song et al. 2019, the Gym settings as
+    kakaoenterprise/JORLDY's V-MPO configs give them: 0.01) (positive, finite)"""
+    vmpo_eps_alpha_mean: float = 0.01
+    """V-MPO's bound on the KL of the mean's change per update (Song et al. 2019, as above: 0.01) (positive, finite)"""
+    vmpo_eps_alpha_std: float = 5e-5
+    """V-MPO's bound on the KL of the std's change per update (Song et al. 2019, as above: 5e-5) (positive, finite)"""
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
+    check_run_flags(args)
+    if args.update_epochs is None:  # the loss's default: resolved here, so the run folder's flags say which
+        args.update_epochs = 1 if args.policy_loss == "vpg" else 10
+    check_flags(
+        args,
+        positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
+        positive=[
+            "learning_rate",
+            "clip_coef",
+            "max_grad_norm",
+            "vtrace_rho_bar",
+            "awr_beta",
+            "awr_max_weight",
+            "vmpo_eps_eta",
+            "vmpo_eps_alpha_mean",
+            "vmpo_eps_alpha_std",
+        ],
+        non_negative=["ent_coef", "vf_coef"],
+        unit_interval=["gamma", "gae_lambda"],
+        positive_int_lists=["hiddens"],
+    )
+    if not 0 < args.vtrace_c_bar <= 1:
+        raise UsageError(
+            f"--vtrace-c-bar must be in (0, 1] (V-trace's c never exceeds 1 in rlax), got {args.vtrace_c_bar}"
+        )
+    # one line if the family is not ours, an option is not its own, or it cannot start here
+    check_env_id(args.env_id, discrete=False, env_options=args.env_options)
+    if args.local_num_envs % len(args.learner_device_ids) != 0:
+        raise UsageError(
+            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
+            f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them"
+        )
+    envs_per_learner_device = (
+        len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs // len(args.learner_device_ids)
+    )
+    if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
+        raise UsageError(
+            f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+            f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})"
+        )
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+
+
+# ---------------------------------------------------------------- environments
+
+
+def make_env(
+    env_id: str,
+    seed: int,
+    num_envs: int,
+    render_mode: str | None = None,
+    num_threads: int = 0,
+    env_options: Sequence[str] = (),
+):
+    """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
+    order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
+    return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads, overrides=env_options)
+
+
+# ---------------------------------------------------------------- networks
+
+
+class MLP(nn.Module):
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    """Gaussian policy (mean from an MLP, state-independent log-std parameter) and value, with separate
+    actor and critic MLPs as in baselines' PPO2 for MuJoCo and CleanRL's ppo_continuous_action."""
+
+    action_dim: int
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, obs):
+        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
+        return action_mean, action_logstd, value.squeeze(-1)
+
+
+class LagrangeMultipliers(NamedTuple):
+    """V-MPO's learned multipliers (Song et al. 2019, Sec. 3-4): the E-step's temperature eta and the M-step's
+    alphas for the KL of the mean and of the std. Trained by the agent's optimizer (as in SEED RL), projected to
+    at least 1e-8 after every step; every other loss leaves them at their initial 1.0."""
+
+    temperature: jax.Array
+    alpha_mean: jax.Array
+    alpha_std: jax.Array
+
+
+class Params(NamedTuple):
+    """What the optimizer trains: the network's params and V-MPO's multipliers."""
+
+    network: dict
+    multipliers: LagrangeMultipliers
+
+
+def project_multipliers(params: Params) -> Params:
+    # Lagrange multipliers are non-negative: the projection after each gradient step (V-MPO paper, Sec. 4)
+    return params._replace(multipliers=jax.tree.map(lambda x: jnp.maximum(x, 1e-8), params.multipliers))
+
+
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
+    """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
+    obs_space, action_space = env_spaces(args.env_id, args.env_options)
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, AgentState.create(
+        apply_fn=None,
+        params=Params(
+            network=agent.init(key, np.zeros((1, *obs_space.shape), np.float32)),
+            multipliers=LagrangeMultipliers(*np.ones(3, np.float32)),  # eta and alphas start at 1 (as SEED RL's)
+        ),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
+            ),
+        ),
+        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
+        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+    )
+
+
+# ---------------------------------------------------------------- math
+
+
+class Rollout(NamedTuple):
+    """One actor thread's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1.
+    `obs` are the network's inputs, normalized with the statistics of the params version that acted (so the
+    learner's probability ratios compare like with like); `raw_obs` and the raw rewards update the statistics."""
+
+    obs: np.ndarray
+    raw_obs: np.ndarray
+    actions: np.ndarray  # the unclipped Gaussian samples, (time, envs, action_dim)
+    logprobs: np.ndarray
+    values: np.ndarray
+    rewards: np.ndarray
+    discounted_returns: np.ndarray  # per env, reset at episode ends: their std scales the rewards
+    terminations: np.ndarray
+    truncations: np.ndarray
+    valid: np.ndarray  # False for envpool's reset step after an episode end: its action is ignored
+    bootstrap_value: np.ndarray  # (1, envs): V(obs after the last step)
+
+
+class Batch(NamedTuple):
+    """The learner's samples: a rollout with advantages and returns, flattened over (time, envs)."""
+
+    obs: jax.Array  # normalized, as the actor's network saw them
+    actions: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    valid: jax.Array
+    start_action_mean: jax.Array  # the policy at the update's start (the learner's params): what V-MPO's KL bounds
+    start_action_logstd: jax.Array
+
+
+class RunningMeanStd(NamedTuple):
+    """Mean, variance and count of a stream of samples (per feature); mergeable, shard by shard."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array
+
+
+def merge_running_stats(a: RunningMeanStd, b: RunningMeanStd) -> RunningMeanStd:
+    """The statistics of the union of two samples, from theirs (Chan, Golub and LeVeque 1979)."""
+    count, delta = a.count + b.count, b.mean - a.mean
+    mean = a.mean + delta * b.count / count
+    sum_of_squares = a.var * a.count + b.var * b.count + delta**2 * a.count * b.count / count
+    return RunningMeanStd(mean, sum_of_squares / count, count)
+
+
+def batch_running_stats(x, weights, axis_name: str | None = None) -> RunningMeanStd:
+    """Statistics of the samples x (first axis) with 0/1 weights; with axis_name (inside shard_map), of the samples
+    of all devices: counts and sums are psum-ed, so every device gets those of the whole batch."""
+    psum = (lambda v: jax.lax.psum(v, axis_name)) if axis_name else (lambda v: v)
+    count = psum(weights.sum(dtype=jnp.float32))
+    weights = weights.reshape(weights.shape + (1,) * (x.ndim - 1)).astype(jnp.float32)
+    mean = psum((weights * x).sum(0)) / jnp.maximum(count, 1)
+    var = psum((weights * (x - mean) ** 2).sum(0)) / jnp.maximum(count, 1)  # two passes: no cancellation
+    return RunningMeanStd(mean, var, count)
+
+
+def normalize_obs(obs_rms: RunningMeanStd, obs):
+    # standardized and clipped to [-10, 10] as in baselines' VecNormalize; Andrychowicz et al. 2021 ("What matters
+    # in on-policy RL") recommend always normalizing observations
+    return jnp.clip((obs - obs_rms.mean) / jnp.sqrt(obs_rms.var + 1e-8), -10.0, 10.0)
+
+
+def scale_rewards(return_rms: RunningMeanStd, rewards):
+    # divided by the std of the discounted return, clipped to [-10, 10]: baselines' VecNormalize, the "reward
+    # scaling" of Engstrom et al. 2020 ("Implementation matters in deep policy gradients")
+    return jnp.clip(rewards / jnp.sqrt(return_rms.var + 1e-8), -10.0, 10.0)
+
+
+class AgentState(TrainState):
+    """Params, optimizer state and the running statistics: all checkpointed, so a resumed run normalizes as before."""
+
+    obs_rms: RunningMeanStd
+    return_rms: RunningMeanStd
+
+
+def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
+
+    envpool returns the true last observation of an episode together with its end flag and resets
+    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
+    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
+    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
+    transition after it is envpool's reset step (masked out of the loss by `valid`).
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    episode_ends = jnp.logical_or(terminations, truncations)
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values
+
+    def backward(next_advantage, step):
+        delta, episode_end = step
+        advantage = delta + gamma * gae_lambda * (1.0 - episode_end) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, episode_ends), reverse=True)
+    return advantages, advantages + values
+
+
+def compute_vtrace(
+    *, rewards, values, bootstrap_value, rhos, terminations, truncations, gamma, gae_lambda, rho_bar, c_bar
+):
+    """V-trace (Espeholt et al. 2018, Sec. 4.1) with lambda on time-major (T, N) arrays, from rlax: the value targets
+    v_s and the advantages, as SEED RL's estimator defines them: A_t = delta_t + gamma lambda c-trace of the later
+    corrections, without rho_t (the policy loss applies its own weight). With rhos = 1 both equal GAE's (a test
+    checks). `rhos` are pi / mu of the taken actions: pi the learner's policy, mu the actor's (one version behind).
+
+    Episode ends as in `compute_gae`: a termination stops the bootstrap, either end cuts the trace (lambda_t = 0).
+    rlax's trace weight is c_t = lambda_t min(1, rho_t), so lambda_t also lowers the clip from 1 to c_bar.
+    """
+    episode_ends = jnp.logical_or(terminations, truncations)
+    discounts = gamma * (1.0 - terminations)
+    trace = (1.0 - episode_ends) * gae_lambda
+    lambdas = trace * jnp.where(rhos < c_bar, 1.0, c_bar / jnp.minimum(1.0, rhos))
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    vtrace = jax.vmap(partial(rlax.vtrace, clip_rho_threshold=rho_bar), in_axes=1, out_axes=1)
+    corrections = vtrace(values, next_values, rewards, discounts, rhos, lambdas)  # v_s - V(x_s)
+    next_corrections = jnp.concatenate([corrections[1:], jnp.zeros_like(bootstrap_value)[None]], axis=0)
+    advantages = rewards + discounts * next_values - values + discounts * trace * next_corrections
+    return advantages, corrections + values
+
+
+def ppo_loss_terms(
+    *,
+    new_logprobs,
+    entropy,
+    new_values,
+    old_logprobs,
+    old_values,
+    advantages,
+    returns,
+    valid,
+    normalizer,
+    clip_coef,
+    clip_vloss,
+):
+    """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
+    E[(r - 1) - log r] (Schulman 2020), unbiased and non-negative.
+    """
+    valid = valid.astype(jnp.float32)
+    logratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(logratio)
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef))
+    if clip_vloss:
+        clipped_values = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * jnp.maximum((new_values - returns) ** 2, (clipped_values - returns) ** 2)
+    else:
+        v_loss = 0.5 * (new_values - returns) ** 2
+    approx_kl = (ratio - 1) - logratio
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def gaussian_logprob_entropy(action_mean, action_logstd, actions):
+    """Diagonal Gaussian: log-density of `actions` and entropy, summed over the (independent) action dimensions."""
+    action_logstd = jnp.broadcast_to(action_logstd, action_mean.shape)
+    z = (actions - action_mean) * jnp.exp(-action_logstd)
+    logprob = -0.5 * z**2 - action_logstd - 0.5 * jnp.log(2 * jnp.pi)
+    entropy = action_logstd + 0.5 * (1.0 + jnp.log(2 * jnp.pi))
+    return logprob.sum(-1), entropy.sum(-1)
+
+
+def policy_gradient_weights(*, policy_loss, advantages, logratio, rho_bar, awr_beta, awr_max_weight):
+    """The weight w of each sample in the loss -w log pi(a|s) of vpg, vtrace and awr (w's gradient is stopped).
+
+    vpg: A. vtrace: min(rho_bar, pi/mu) A, pi/mu = exp(logratio) against the actor's policy (IMPALA, Sec. 4.2).
+    awr: exp(A / beta) clipped at the max weight (Peng et al. 2019, Sec. 3), computed in log space (no overflow).
+    """
+    if policy_loss == "vpg":
+        return advantages
+    if policy_loss == "vtrace":
+        return jnp.minimum(rho_bar, jnp.exp(logratio)) * advantages
+    if policy_loss == "awr":
+        return jnp.exp(jnp.minimum(advantages / awr_beta, jnp.log(awr_max_weight)))
+    raise ValueError(f"no weights for the policy loss {policy_loss!r}")
+
+
+def gaussian_kl_of_mean_and_std(*, start_mean, start_logstd, mean, logstd):
+    """V-MPO's decoupled KLs (Song et al. 2019, Sec. 4.2) of diagonal Gaussians, KL(pi_start || pi) split in two: that
+    of moving the mean alone (pi's mean, pi_start's std) and that of moving the std alone. Summed over dimensions."""
+    start_var = jnp.exp(2 * start_logstd)
+    kl_mean = 0.5 * ((mean - start_mean) ** 2 / start_var).sum(-1)
+    kl_std = (logstd - start_logstd + 0.5 * jnp.exp(2 * (start_logstd - logstd)) - 0.5).sum(-1)
+    return kl_mean, kl_std
+
+
+def vmpo_loss_terms(
+    *,
+    new_logprobs,
+    kl_mean,
+    kl_std,
+    advantages,
+    valid,
+    normalizer,
+    multipliers: LagrangeMultipliers,
+    eps_eta,
+    eps_alpha_mean,
+    eps_alpha_std,
+    axis_name,
+):
+    """V-MPO's policy loss (Song et al. 2019, Sec. 3-4) on this device's samples of a minibatch sharded over
+    `axis_name`, from rlax's V-MPO functions: (policy loss, temperature loss, KL losses, multiplier losses).
+
+    E-step: the top half of the valid advantages of the *whole* minibatch (every device gathers them all) get the
+    weights softmax(A / eta); eta's loss is eta (eps_eta + log mean exp(A / eta)) over that half (Eq. 4). Each device
+    computes it on the same gathered advantages, so it counts 1 / devices here: the psum of gradients counts it once.
+    M-step: -sum of weights x log pi(a|s), plus for the mean's and the std's KL sg(alpha) KL and alpha (eps - sg(KL))
+    (rlax's parametric KL penalty), means over the valid samples: alpha grows while its KL exceeds eps.
+    """
+    valid = valid.astype(jnp.float32)
+    all_advantages = jax.lax.all_gather(advantages, axis_name, tiled=True)
+    all_valid = jax.lax.all_gather(valid, axis_name, tiled=True)
+    temperature_loss, weights, _ = rlax.vmpo_compute_weights_and_temperature_loss(
+        all_advantages,
+        all_valid,
+        jnp.ones_like(all_valid),  # no importance weights: V-MPO learns from the (one version behind) rollout as is
+        rlax.LagrangePenalty(multipliers.temperature, eps_eta),
+        projection_operator=lambda x: x,  # project_multipliers keeps them positive
+        top_k_fraction=0.5,
+    )
+    weights = jax.lax.dynamic_slice_in_dim(weights, jax.lax.axis_index(axis_name) * len(advantages), len(advantages))
+    policy_loss = -(weights * new_logprobs).sum()
+    temperature_loss /= jax.lax.psum(1, axis_name)
+    kl_loss, alpha_loss = rlax.compute_parametric_kl_penalty_and_dual_loss(
+        [
+            (kl_mean, rlax.LagrangePenalty(multipliers.alpha_mean, eps_alpha_mean)),
+            (kl_std, rlax.LagrangePenalty(multipliers.alpha_std, eps_alpha_std)),
+        ],
+        lambda x: x,
+    )
+    kl_loss, alpha_loss = ((x * valid).sum() / normalizer for x in (kl_loss, alpha_loss))
+    return policy_loss, temperature_loss, kl_loss, alpha_loss
+
+
+# ---------------------------------------------------------------- actor
+
+
+class ActorFns(NamedTuple):
+    """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
+
+    act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
+    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+
+
+def make_actor_fns(agent: Agent) -> ActorFns:
+    @jax.jit
+    def act(params, obs, key):
+        agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
+        obs = normalize_obs(obs_rms, obs)
+        action_mean, action_logstd, value = agent.apply(agent_params, obs)
+        key, subkey = jax.random.split(key)
+        action = action_mean + jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
+        # one array: one device-to-host copy per env step instead of four
+        return jnp.concatenate([action, logprob[:, None], value[:, None], obs], axis=1), key
+
+    @jax.jit
+    def value(params, obs):
+        agent_params, obs_rms = params
+        return agent.apply(agent_params, normalize_obs(obs_rms, obs))[2]
+
+    return ActorFns(act, value)
+
+
+def actor_params(agent_state: AgentState):
+    """What the actors act with: the params and the observation statistics of the same version."""
+    return agent_state.params.network, agent_state.obs_rms
+
+
+def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
+    ships rollouts to the learner."""
+    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
+    key = thread.key(key)
+    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    action_space, action_dim = envs.action_space, envs.action_space.shape[0]
+    next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
+    previous_episode_end = np.zeros(num_envs, dtype=bool)
+    discounted_return = np.zeros(num_envs, dtype=np.float32)  # of each env so far: its std scales the rewards
+    episodes, timer = EpisodeStats(num_envs), StageTimer()
+    for update in range(thread.start_update + 1, args.num_updates + 1):
+        with timer("params_queue_get_time"):
+            # skipping the second get makes the actor exactly one policy version behind the learner
+            if update != thread.start_update + 2 or not args.concurrency:
+                params, actor_policy_version = thread.get(params_queue)
+        with timer("rollout_time"):
+            obs, raw_obs = (np.empty((num_steps, num_envs, *obs_space.shape), dtype=np.float32) for _ in range(2))
+            actions = np.empty((num_steps, num_envs, *action_space.shape), dtype=np.float32)
+            logprobs, values, rewards, discounted_returns, terminations, truncations = (
+                np.empty((num_steps, num_envs), dtype=np.float32) for _ in range(6)
+            )
+            valid = np.empty((num_steps, num_envs), dtype=bool)
+            for step in range(num_steps):
+                thread.check_stopped()
+                with timer("inference_time"):
+                    step_outputs, key = actor_fns.act(params, next_obs, key)
+                    action, logprob, value, normalized_obs = np.split(
+                        np.asarray(step_outputs), [action_dim, action_dim + 1, action_dim + 2], axis=1
+                    )
+                with timer("env_step_time"):
+                    # the env gets the action clipped to its bounds; the loss keeps the sample (its log-prob is exact)
+                    clipped_action = np.clip(action, action_space.low, action_space.high)
+                    step_obs, reward, terminated, truncated, info = envs.step(clipped_action)
+                with timer("storage_time"):
+                    obs[step], raw_obs[step], actions[step] = normalized_obs, next_obs, action
+                    logprobs[step], values[step] = logprob[:, 0], value[:, 0]
+                    rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
+                    valid[step] = ~previous_episode_end
+                    episodes.step(reward, terminated, truncated, info, counted=valid[step])
+                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs.astype(np.float32)
+                    discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
+                    discounted_return *= ~previous_episode_end
+            with timer("inference_time"):
+                bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
+        storage = Rollout(
+            obs,
+            raw_obs,
+            actions,
+            logprobs,
+            values,
+            rewards,
+            discounted_returns,
+            terminations,
+            truncations,
+            valid,
+            bootstrap_value,
+        )
+        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        with timer("rollout_queue_put_time"):  # logged with the next rollout
+            thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
+
+
+# ---------------------------------------------------------------- learner
+
+
+class LearnerState(NamedTuple):
+    """What the learner carries from update to update, and what a checkpoint holds."""
+
+    agent: AgentState  # params, optimizer state and running statistics, replicated over the learner devices
+    key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
+
+
+def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
+    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
+    are a Python loop over one compiled minibatch step, the on-policy scripts' one driver: on an H100 it was as fast
+    as one `lax.scan` program per update (README: the learner loop)."""
+    replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
+    batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
+    minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
+    minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+    names += ["losses/kl_mean", "losses/kl_std"]  # how far each loss moves the policy from the update's start
+    if args.policy_loss == "vmpo":
+        names += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]
+
+    def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
+        """Per device: the running statistics updated with the rollout of all devices (the same on every device),
+        rewards scaled with them (as gym's NormalizeReward), advantages and returns (once per update, before the
+        epochs: SEED RL's default), the policy at the update's start, then flatten (T, envs)."""
+        flat = lambda x: x.reshape((-1, *x.shape[2:]))
+        obs_rms = merge_running_stats(
+            agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
+        )
+        # envpool's reset steps are not steps of an episode: their (zero) returns do not count
+        return_rms = merge_running_stats(
+            agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
+        )
+        agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
+        start_action_mean, start_action_logstd, _ = agent.apply(agent_state.params.network, storage.obs)
+        start_action_logstd = jnp.broadcast_to(start_action_logstd, start_action_mean.shape)
+        estimator_inputs = dict(
+            rewards=scale_rewards(return_rms, storage.rewards),
+            values=storage.values,  # the actor's (one version behind), for both estimators
+            bootstrap_value=storage.bootstrap_value[0],
+            terminations=storage.terminations,
+            truncations=storage.truncations,
+            gamma=args.gamma,
+            gae_lambda=args.gae_lambda,
+        )
+        if args.advantage_estimator == "gae":
+            advantages, returns = compute_gae(**estimator_inputs)
+        else:
+            start_logprobs, _ = gaussian_logprob_entropy(start_action_mean, start_action_logstd, storage.actions)
+            rhos = jnp.exp(start_logprobs - storage.logprobs)
+            advantages, returns = compute_vtrace(
+                **estimator_inputs, rhos=rhos, rho_bar=args.vtrace_rho_bar, c_bar=args.vtrace_c_bar
+            )
+        return agent_state, Batch(
+            *map(
+                flat,
+                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
+            ),
+            flat(start_action_mean),
+            flat(start_action_logstd),
+        )
+
+    def loss_fn(params: Params, minibatch: Batch):
+        action_mean, action_logstd, new_values = agent.apply(params.network, minibatch.obs)
+        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
+        advantages, valid = minibatch.advantages, minibatch.valid
+        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
+        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+        if args.norm_adv:  # with the whole minibatch's mean and std: the same update on any number of devices
+            mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), "batch") / normalizer
+            std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), "batch") / normalizer)
+            advantages = (advantages - mean) / (std + 1e-8)
+        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+            new_logprobs=new_logprobs,
+            entropy=entropy,
+            new_values=new_values,
+            old_logprobs=minibatch.logprobs,
+            old_values=minibatch.values,
+            advantages=advantages,
+            returns=minibatch.returns,
+            valid=valid,
+            normalizer=normalizer,
+            clip_coef=args.clip_coef,
+            clip_vloss=args.clip_vloss,
+        )  # the value loss, entropy and approx-KL of every policy loss; the policy loss of ppo
+        kl_mean, kl_std = gaussian_kl_of_mean_and_std(
+            start_mean=minibatch.start_action_mean,
+            start_logstd=minibatch.start_action_logstd,
+            mean=action_mean,
+            logstd=jnp.broadcast_to(action_logstd, action_mean.shape),
+        )
+        vmpo_metrics = ()
+        if args.policy_loss in ("vpg", "vtrace", "awr"):
+            weights = policy_gradient_weights(
+                policy_loss=args.policy_loss,
+                advantages=advantages,
+                logratio=new_logprobs - minibatch.logprobs,
+                rho_bar=args.vtrace_rho_bar,
+                awr_beta=args.awr_beta,
+                awr_max_weight=args.awr_max_weight,
+            )
+            pg_loss = -(jax.lax.stop_gradient(weights) * new_logprobs * valid).sum() / normalizer
+        elif args.policy_loss == "vmpo":
+            pg_loss, *vmpo_metrics = vmpo_loss_terms(
+                new_logprobs=new_logprobs,
+                kl_mean=kl_mean,
+                kl_std=kl_std,
+                advantages=advantages,
+                valid=valid,
+                normalizer=normalizer,
+                multipliers=params.multipliers,
+                eps_eta=args.vmpo_eps_eta,
+                eps_alpha_mean=args.vmpo_eps_alpha_mean,
+                eps_alpha_std=args.vmpo_eps_alpha_std,
+                axis_name="batch",
+            )
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef + sum(vmpo_metrics)
+        kl_mean, kl_std = ((x * valid).sum() / normalizer for x in (kl_mean, kl_std))
+        return loss, (pg_loss, v_loss, entropy_loss, approx_kl, kl_mean, kl_std, *vmpo_metrics)
+
+    def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
+        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(local_params, minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        agent_state = agent_state.replace(params=project_multipliers(agent_state.params))
+        return agent_state, (loss, *metrics)
+
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis checks reject
+    # (as in the IMPALA script); nothing here is differentiated
+    prepare_batch = jax.jit(
+        jax.shard_map(
+            prepare_batch,
+            mesh=mesh,
+            in_specs=(replicated, rollout_specs),
+            out_specs=(replicated, batch_specs),
+            check_vma=False,
+        )
+    )
+    minibatch_update = jax.jit(
+        jax.shard_map(
+            minibatch_update,
+            mesh=mesh,
+            out_specs=(replicated, replicated),
+            in_specs=(replicated, batch_specs, sharded_steps, replicated),
+        ),
+        donate_argnums=(0,),
+    )
+    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
+
+    def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:
+        agent_state, key = state
+        agent_state, batch = prepare_batch(agent_state, storage)
+        metrics = []
+        for _ in range(args.update_epochs):
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            for minibatch_index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(
+                    agent_state, batch, permutation, jnp.int32(minibatch_index)
+                )
+                metrics.append(minibatch_metrics)
+        metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
+        metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
+        if args.policy_loss == "vmpo":  # the multipliers after the update (the same on every device)
+            metrics.update({f"charts/{k}": v for k, v in agent_state.params.multipliers._asdict().items()})
+        return LearnerState(agent_state, key), metrics
+
+    return update
+
+
+# ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
+# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
+# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `set_runtime_values` from this script)
+
+
+def saved_model(state: LearnerState) -> dict:
+    """What --save-model writes next to the flags: what `make_eval_policy` reads."""
+    return {
+        "params": to_state_dict(local_value(state.agent.params.network)),
+        "obs_rms": local_value(state.agent.obs_rms)._asdict(),  # the policy's input normalization
+    }
+
+
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
+    statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
+    action_space = env_spaces(args.env_id, args.env_options)[1]
+    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
+    params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
+
+    @jax.jit
+    def act(params, obs, key):
+        agent_params, obs_rms = params
+        action_mean, action_logstd, _ = agent.apply(agent_params, normalize_obs(obs_rms, obs))
+        key, subkey = jax.random.split(key)
+        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        return jnp.clip(action_mean + noise, action_space.low, action_space.high), key
+
+    def policy(obs: np.ndarray, key: jax.Array):
+        actions, key = act(params, np.asarray(obs, np.float32), key)
+        return np.asarray(actions), key
+
+    return policy
+
+
+# ---------------------------------------------------------------- main: the Sebulba protocol
+
+
+def set_runtime_values(args: Args, layout: DeviceLayout):
+    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+    check_int32_counts(
+        args,
+        {
+            "optimizer steps": (
+                "--update-epochs x --num-minibatches",  # the schedule's count
+                args.update_epochs * args.num_minibatches,
+            )
+        },
+    )
+
+
+def state_summary(state: LearnerState) -> str:
+    """Digests of the learner's state for the console: equal digests, bitwise equal states."""
+    return (
+        f"params sha256={tree_digest(state.agent.params)} "
+        f"stats sha256={tree_digest((state.agent.obs_rms, state.agent.return_rms))}"
+    )
+
+
+def main(args: Args) -> int:
+    validate_args(args)  # bad flags stop here, before JAX starts a backend
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
+    # the agent and learner keys are the same in every process; each actor thread folds its global index into
+    # actor_key, so no two threads (or processes) sample with the same key
+    agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
+    agent, agent_state = make_agent(args, agent_key)
+    learner_update = make_learner_fns(args, agent, run.mesh)
+    state = run.restore(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+
+    # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
+    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
+    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+        run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
+
+    run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
+    with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
+        for update in run.updates():
+            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
+            state, metrics = run.learn(update, learner_update, state, storage)  # NaN or inf: stops, checkpointed
+            if update < args.num_updates:
+                run.broadcast(params_queues, actor_params(state.agent), version=update)
+            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, Args))
