@@ -90,8 +90,8 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     num_minibatches: int = 32
     """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64) (positive)"""
     update_epochs: int | None = None
-    """the K epochs to update the policy: 10 (PPO paper, Table 3), except 1 for vpg, whose gradient is that of the
-    rollout's own policy (positive)"""
+    """the K epochs to update the policy: 10 for ppo, awr and vmpo (PPO paper, Table 3), 1 for vpg and vtrace, whose
+    gradients hold for the rollout's policy only and whose steps nothing bounds (IMPALA: one pass) (positive)"""
     norm_adv: bool = True
     """toggles advantages normalization (per minibatch)"""
     clip_coef: float = 0.2
@@ -134,7 +134,7 @@ def validate_args(args: Args):
     """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
     check_run_flags(args)
     if args.update_epochs is None:  # the loss's default: resolved here, so the run folder's flags say which
-        args.update_epochs = 1 if args.policy_loss == "vpg" else 10
+        args.update_epochs = 1 if args.policy_loss in ("vpg", "vtrace") else 10
     check_flags(
         args,
         positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
