@@ -22,6 +22,7 @@ from conftest import (
     IMPALA_SCRIPT,
     MUJOCO_SCRIPT,
     MUZERO_SCRIPT,
+    ONPOLICY_SCRIPT,
     PPO_SCRIPT,
     R2D2_SCRIPT,
     SAC_SCRIPT,
@@ -51,6 +52,7 @@ SCRIPTS = {
     "r2d2": R2D2_SCRIPT,
     "muzero": MUZERO_SCRIPT,
     "anakin": ANAKIN_SCRIPT,
+    "onpolicy": ONPOLICY_SCRIPT,
 }
 
 
