@@ -35,6 +35,7 @@ SCRIPTS = {
     "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
     "ppo_anakin": "cleanba_ppo_anakin_xminigrid.py",
+    "onpolicy_continuous_action": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
 }
 # per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)
 THRESHOLDS = {
@@ -42,6 +43,8 @@ THRESHOLDS = {
     "Pendulum-v1": (-250.0, "issue #28's bar for Pendulum (a random policy averages about -1200)", 2_048),
     # reaching the goal in the fewest steps (5) pays 1 - 0.9 x 5 / 100 = 0.955 (MiniGrid's reward); random play ~0.2
     "MiniGrid-Empty-5x5": (0.9, "issue #29's bar for MiniGrid-Empty-5x5 (the best return is 0.955)", 10_240),
+    # +1 per step while the pole is up, 1000 at most; random actions about 8
+    "InvertedPendulum-v4": (500.0, "the MuJoCo PPO script's InvertedPendulum test bar (the pole up 500 steps)", 5_120),
     "HalfCheetah-v4": (
         1442.64,
         "CleanRL's ppo_continuous_action after 1M steps (CleanRL docs, PPO page, MuJoCo v4 table)",
@@ -54,7 +57,8 @@ TAG = "charts/avg_episodic_return"
 @dataclass
 class Args:
     algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
-    """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin"""
+    """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin,
+    onpolicy_continuous_action"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     results: str = "benchmark/results/readme_commands.jsonl"
     """one JSON line per run is appended here"""
