@@ -72,6 +72,7 @@ def run_one(env_id: str, loss: str, seed: int, total_timesteps: int, flags: str)
         "seed": seed,
         "final_return": float(returns[-FINAL_WINDOW:].mean()),
         "best_return": float(returns.max()),
+        "last_return": float(returns[-1]),
         "wall_s": round(wall, 1),
         "run_dir": str(run_dir),
         "machine": platform.processor() or platform.machine(),
@@ -113,7 +114,7 @@ def figure(records: list[dict], env_ids: list[str], losses: list[str], output: s
             )
         ax.set(title=env_id, xlabel="env steps", ylabel="average episodic return")
         ax.legend(fontsize=8)
-    fig.suptitle("Policy losses of the configurable on-policy agent (2-core CPU; mean over seeds, band: min-max)")
+    fig.suptitle("Policy losses of the configurable on-policy agent\n(2-core CPU; mean over seeds, band: min-max)")
     fig.tight_layout()
     save(fig, output)
 

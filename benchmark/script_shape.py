@@ -20,6 +20,7 @@ SCRIPTS = {
     "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
     "ppo_anakin": "cleanba_ppo_anakin_xminigrid.py",
+    "onpolicy": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
 }
 PAIRS = [
     ("ppo", "impala"),
@@ -28,6 +29,7 @@ PAIRS = [
     ("sac", "r2d2"),
     ("sac", "muzero"),
     ("ppo", "ppo_anakin"),
+    ("mujoco_ppo", "onpolicy"),
 ]
 
 

@@ -117,10 +117,10 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     vtrace_c_bar: float = 1.0
     """V-trace's trace clip c, of the vtrace estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (in (0, 1])"""
     awr_beta: float = 1.0
-    """AWR's temperature beta, on advantages normalized by --norm-adv (Peng et al. 2019, Table 3 of the appendix and
-    their code's MuJoCo configs: 1.0) (positive, finite)"""
+    """AWR's temperature beta, on advantages normalized by --norm-adv (Peng et al. 2019's hyperparameter table in the
+    appendix; their code's MuJoCo configs normalize too: 1.0) (positive, finite)"""
     awr_max_weight: float = 20.0
-    """AWR's weight clip, the largest exp(A / beta) (Peng et al. 2019, appendix Table 3: 20) (positive, finite)"""
+    """AWR's weight clip, the largest exp(A / beta) (Peng et al. 2019, the same table: 20) (positive, finite)"""
     vmpo_eps_eta: float = 0.01
     """V-MPO's bound on the KL of its E-step distribution from the rollout's (Song et al. 2019, the Gym settings as
     kakaoenterprise/JORLDY's V-MPO configs give them: 0.01) (positive, finite)"""

@@ -5,6 +5,7 @@ SIGTERM then resume, bad input, and a learning test per loss against the random 
 import re
 from functools import partial
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ from cleanrl_utils.evals.evaluate import run_episodes
 
 onpolicy = load_script(ONPOLICY_SCRIPT)
 LOSSES = ["vpg", "ppo", "vtrace", "awr", "vmpo"]
+MODEL = "cleanba_onpolicy_continuous_action_envpool_mujoco.cleanrl_model"
 DIGESTS = re.compile(r"params sha256=(\w{64}) stats sha256=(\w{64})")
 
 
@@ -295,6 +297,7 @@ def runs(tmp_path_factory):
     """V-MPO with V-trace advantages on two learner devices (the E-step gathers both): a run, a second run of its seed
     stopped by SIGTERM after update 4, and two resumes of its checkpoint; 10 updates of 64 env steps."""
     flags = [*TINY_HOPPER, "--policy-loss", "vmpo", "--advantage-estimator", "vtrace", "--total-timesteps", "640"]
+    flags += ["--save-model", "--eval-episodes", "2"]  # the saved policy is evaluated at the end
     return same_seed_and_resumed_runs(
         tmp_path_factory, "onpolicy", partial(start_script, script=ONPOLICY_SCRIPT), flags
     )
@@ -306,6 +309,12 @@ def test_same_seed_same_run(runs):
         runs, DIGESTS, ["losses/policy_loss", "losses/temperature_loss", "charts/temperature", "losses/kl_mean"]
     )
     assert steps == list(range(64, 641, 64))
+    first = runs["first"]
+    assert "evaluated runs/first/" in first.stdout and "episodic_return=" in first.stdout, first.stdout[-2000:]
+    model = flax.serialization.msgpack_restore((first.run_dir / MODEL).read_bytes())
+    # the policy's network alone (not V-MPO's multipliers): what make_eval_policy runs
+    network = onpolicy.Agent(action_dim=3, hiddens=(8,)).init(jax.random.key(0), np.zeros((1, 11), np.float32))
+    assert jax.tree.structure(model["params"]) == jax.tree.structure(jax.device_get(network))
 
 
 @pytest.mark.slow
