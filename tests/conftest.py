@@ -369,3 +369,14 @@ def best_window(returns: list[tuple[int, float]], env_steps: int) -> float:
 
     steps, values = (np.array(column) for column in zip(*returns))
     return window_averages(steps, values, env_steps)[0]
+
+
+def untrained_gaussian_return(make_env, env_id: str, episodes: int = 200) -> float:
+    """The average return of N(0, 1) actions (clipped to [-3, 3]; the env clips to its bounds), what an untrained
+    Gaussian policy does (mean near 0, std 1), counted as the evaluator counts episodes; `make_env` is a script's."""
+    from cleanrl_utils.evals.evaluate import run_episodes
+
+    rng = np.random.default_rng(0)
+    envs = make_env(env_id, 0, 8, num_threads=1)
+    random_policy = lambda obs, key: (np.clip(rng.normal(size=(len(obs), *envs.action_space.shape)), -3, 3), key)
+    return float(np.mean(run_episodes(envs, random_policy, episodes, None)))

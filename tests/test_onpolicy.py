@@ -19,11 +19,10 @@ from conftest import (
     run_script,
     same_seed_and_resumed_runs,
     start_script,
+    untrained_gaussian_return,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from cleanrl_utils.evals.evaluate import run_episodes
 
 onpolicy = load_script(ONPOLICY_SCRIPT)
 LOSSES = ["vpg", "ppo", "vtrace", "awr", "vmpo"]
@@ -379,10 +378,7 @@ PENDULUM_LEARNING = (
 def random_pendulum_return() -> float:
     """The random policy's average return on InvertedPendulum-v4, measured with the evaluator's episode counting:
     N(0, 1) actions, what the untrained Gaussian policy does (its mean starts near 0, its std at 1)."""
-    rng = np.random.default_rng(0)
-    random_policy = lambda obs, key: (np.clip(rng.normal(size=(len(obs), 1)), -3, 3), key)
-    envs = onpolicy.make_env("InvertedPendulum-v4", 0, 8, num_threads=1)
-    return float(np.mean(run_episodes(envs, random_policy, 200, None)))
+    return untrained_gaussian_return(onpolicy.make_env, "InvertedPendulum-v4")
 
 
 @pytest.mark.slow
