@@ -1,32 +1,18 @@
 """Sebulba's configurable on-policy agent (SEED RL's, after Andrychowicz et al. 2021, "What matters in on-policy
-reinforcement learning? A large-scale empirical study"): one Gaussian actor-critic whose policy loss is a flag,
-`--policy-loss {vpg,ppo,vtrace,awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`;
-everything else (system, networks, normalization, optimizer, epochs and minibatches) is held equal, so one script
-runs the study's comparison of policy losses.
+reinforcement learning?"): one Gaussian actor-critic whose policy loss is a flag, `--policy-loss {vpg,ppo,vtrace,
+awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`; everything else (system,
+networks, normalization, optimizer, epochs and minibatches) is held equal, so one script runs the study's comparison.
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimators, the five
-policy losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. It is the MuJoCo PPO
-script (cleanba_ppo_continuous_action_envpool_mujoco.py) with the losses added: `diff` the two to see them. What is
-the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
-cleanrl_utils/, one small module each.
-
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
-
-The policy losses, each a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
+It is the MuJoCo PPO script (cleanba_ppo_continuous_action_envpool_mujoco.py: its docstring describes the Sebulba
+system, the Gaussian policy and the running normalization) with the losses added; `diff` the two to see them. Each
+loss is a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
 - vpg: the policy gradient, -A log pi(a|s) (Williams 1992), one epoch by default;
 - ppo: the clipped surrogate of the MuJoCo PPO script (Schulman et al. 2017), the same function;
 - vtrace: IMPALA's policy gradient, -min(rho_bar, pi/mu) A log pi(a|s) (Espeholt et al. 2018, Sec. 4.2);
 - awr: advantage-weighted regression, -min(exp(A / beta), max_weight) log pi(a|s) (Peng et al. 2019, Sec. 3);
-- vmpo: V-MPO's E-step (a softmax of A / eta over the top half of the advantages) and M-step (weighted maximum
-  likelihood under KL constraints on the Gaussian's mean and std), with the temperature eta and the two KL
-  multipliers learned as Lagrange multipliers (Song et al. 2019, Sec. 3-4), rlax's V-MPO functions.
+- vmpo: V-MPO's E-step (softmax of A / eta over the top half of the advantages) and M-step (weighted maximum
+  likelihood under KL constraints on the Gaussian's mean and std), eta and the KL multipliers learned as Lagrange
+  multipliers (Song et al. 2019, Sec. 3-4), from rlax's V-MPO functions.
 The value loss, entropy bonus and approx-KL are the PPO script's for every loss.
 """
 
@@ -57,6 +43,13 @@ from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.normalization import (
+    RunningMeanStd,
+    batch_running_stats,
+    merge_running_stats,
+    normalize_obs,
+    scale_rewards,
+)
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -110,20 +103,17 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     policy_loss: Literal["vpg", "ppo", "vtrace", "awr", "vmpo"] = "ppo"
     """the policy loss, the study's choice (Andrychowicz et al. 2021, Sec. 3.1; the module docstring says each)"""
     advantage_estimator: Literal["gae", "vtrace"] = "gae"
-    """the advantages and value targets: GAE (Schulman et al. 2016) or V-trace (Espeholt et al. 2018), which corrects
-    for the actor's policy being one version behind; both with --gae-lambda (SEED RL's MuJoCo PPO config: 0.95)"""
+    """the advantages and value targets: GAE (Schulman et al. 2016) or V-trace (Espeholt et al. 2018; off-policy)"""
     vtrace_rho_bar: float = 1.0
     """V-trace's rho clip, of the vtrace loss and estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (positive, finite)"""
     vtrace_c_bar: float = 1.0
     """V-trace's trace clip c, of the vtrace estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (in (0, 1])"""
     awr_beta: float = 1.0
-    """AWR's temperature beta, on advantages normalized by --norm-adv (Peng et al. 2019's hyperparameter table in the
-    appendix; their code's MuJoCo configs normalize too: 1.0) (positive, finite)"""
+    """AWR's temperature on --norm-adv's advantages (Peng et al. 2019, appendix table; code: 1.0) (positive, finite)"""
     awr_max_weight: float = 20.0
     """AWR's weight clip, the largest exp(A / beta) (Peng et al. 2019, the same table: 20) (positive, finite)"""
     vmpo_eps_eta: float = 0.01
-    """V-MPO's bound on the KL of its E-step distribution from the rollout's (Song et al. 2019, the Gym settings as
-    kakaoenterprise/JORLDY's V-MPO configs give them: 0.01) (positive, finite)"""
+    """V-MPO's E-step KL bound (Song et al. 2019's Gym setting as JORLDY's V-MPO config has it) (positive, finite)"""
     vmpo_eps_alpha_mean: float = 0.01
     """V-MPO's bound on the KL of the mean's change per update (Song et al. 2019, as above: 0.01) (positive, finite)"""
     vmpo_eps_alpha_std: float = 5e-5
@@ -138,25 +128,14 @@ def validate_args(args: Args):
     check_flags(
         args,
         positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
-        positive=[
-            "learning_rate",
-            "clip_coef",
-            "max_grad_norm",
-            "vtrace_rho_bar",
-            "awr_beta",
-            "awr_max_weight",
-            "vmpo_eps_eta",
-            "vmpo_eps_alpha_mean",
-            "vmpo_eps_alpha_std",
-        ],
+        positive="learning_rate clip_coef max_grad_norm vtrace_rho_bar awr_beta awr_max_weight".split()
+        + "vmpo_eps_eta vmpo_eps_alpha_mean vmpo_eps_alpha_std".split(),
         non_negative=["ent_coef", "vf_coef"],
         unit_interval=["gamma", "gae_lambda"],
         positive_int_lists=["hiddens"],
     )
     if not 0 < args.vtrace_c_bar <= 1:
-        raise UsageError(
-            f"--vtrace-c-bar must be in (0, 1] (V-trace's c never exceeds 1 in rlax), got {args.vtrace_c_bar}"
-        )
+        raise UsageError(f"--vtrace-c-bar must be in (0, 1] (rlax's c never exceeds 1), got {args.vtrace_c_bar}")
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=False, env_options=args.env_options)
     if args.local_num_envs % len(args.learner_device_ids) != 0:
@@ -224,9 +203,8 @@ class Agent(nn.Module):
 
 
 class LagrangeMultipliers(NamedTuple):
-    """V-MPO's learned multipliers (Song et al. 2019, Sec. 3-4): the E-step's temperature eta and the M-step's
-    alphas for the KL of the mean and of the std. Trained by the agent's optimizer (as in SEED RL), projected to
-    at least 1e-8 after every step; every other loss leaves them at their initial 1.0."""
+    """V-MPO's learned multipliers (Song et al. 2019, Sec. 3-4): the E-step's temperature eta and the M-step's alphas
+    of the mean's and the std's KL. Trained by the agent's optimizer (as SEED RL's); other losses leave them at 1."""
 
     temperature: jax.Array
     alpha_mean: jax.Array
@@ -308,45 +286,6 @@ class Batch(NamedTuple):
     start_action_logstd: jax.Array
 
 
-class RunningMeanStd(NamedTuple):
-    """Mean, variance and count of a stream of samples (per feature); mergeable, shard by shard."""
-
-    mean: jax.Array
-    var: jax.Array
-    count: jax.Array
-
-
-def merge_running_stats(a: RunningMeanStd, b: RunningMeanStd) -> RunningMeanStd:
-    """The statistics of the union of two samples, from theirs (Chan, Golub and LeVeque 1979)."""
-    count, delta = a.count + b.count, b.mean - a.mean
-    mean = a.mean + delta * b.count / count
-    sum_of_squares = a.var * a.count + b.var * b.count + delta**2 * a.count * b.count / count
-    return RunningMeanStd(mean, sum_of_squares / count, count)
-
-
-def batch_running_stats(x, weights, axis_name: str | None = None) -> RunningMeanStd:
-    """Statistics of the samples x (first axis) with 0/1 weights; with axis_name (inside shard_map), of the samples
-    of all devices: counts and sums are psum-ed, so every device gets those of the whole batch."""
-    psum = (lambda v: jax.lax.psum(v, axis_name)) if axis_name else (lambda v: v)
-    count = psum(weights.sum(dtype=jnp.float32))
-    weights = weights.reshape(weights.shape + (1,) * (x.ndim - 1)).astype(jnp.float32)
-    mean = psum((weights * x).sum(0)) / jnp.maximum(count, 1)
-    var = psum((weights * (x - mean) ** 2).sum(0)) / jnp.maximum(count, 1)  # two passes: no cancellation
-    return RunningMeanStd(mean, var, count)
-
-
-def normalize_obs(obs_rms: RunningMeanStd, obs):
-    # standardized and clipped to [-10, 10] as in baselines' VecNormalize; Andrychowicz et al. 2021 ("What matters
-    # in on-policy RL") recommend always normalizing observations
-    return jnp.clip((obs - obs_rms.mean) / jnp.sqrt(obs_rms.var + 1e-8), -10.0, 10.0)
-
-
-def scale_rewards(return_rms: RunningMeanStd, rewards):
-    # divided by the std of the discounted return, clipped to [-10, 10]: baselines' VecNormalize, the "reward
-    # scaling" of Engstrom et al. 2020 ("Implementation matters in deep policy gradients")
-    return jnp.clip(rewards / jnp.sqrt(return_rms.var + 1e-8), -10.0, 10.0)
-
-
 class AgentState(TrainState):
     """Params, optimizer state and the running statistics: all checkpointed, so a resumed run normalizes as before."""
 
@@ -379,14 +318,9 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 def compute_vtrace(
     *, rewards, values, bootstrap_value, rhos, terminations, truncations, gamma, gae_lambda, rho_bar, c_bar
 ):
-    """V-trace (Espeholt et al. 2018, Sec. 4.1) with lambda on time-major (T, N) arrays, from rlax: the value targets
-    v_s and the advantages, as SEED RL's estimator defines them: A_t = delta_t + gamma lambda c-trace of the later
-    corrections, without rho_t (the policy loss applies its own weight). With rhos = 1 both equal GAE's (a test
-    checks). `rhos` are pi / mu of the taken actions: pi the learner's policy, mu the actor's (one version behind).
-
-    Episode ends as in `compute_gae`: a termination stops the bootstrap, either end cuts the trace (lambda_t = 0).
-    rlax's trace weight is c_t = lambda_t min(1, rho_t), so lambda_t also lowers the clip from 1 to c_bar.
-    """
+    """V-trace with lambda (Espeholt et al. 2018, Sec. 4.1; rlax) on (T, N) arrays, `rhos` = pi / mu of the actions:
+    (advantages, value targets), SEED RL's advantage (no rho_t: the loss weighs); with rhos = 1, GAE's (a test checks).
+    Episode ends as in `compute_gae`; rlax's trace is lambda_t min(1, rho_t), so lambda_t also lowers 1 to c_bar."""
     episode_ends = jnp.logical_or(terminations, truncations)
     discounts = gamma * (1.0 - terminations)
     trace = (1.0 - episode_ends) * gae_lambda
@@ -441,11 +375,8 @@ def gaussian_logprob_entropy(action_mean, action_logstd, actions):
 
 
 def policy_gradient_weights(*, policy_loss, advantages, logratio, rho_bar, awr_beta, awr_max_weight):
-    """The weight w of each sample in the loss -w log pi(a|s) of vpg, vtrace and awr (w's gradient is stopped).
-
-    vpg: A. vtrace: min(rho_bar, pi/mu) A, pi/mu = exp(logratio) against the actor's policy (IMPALA, Sec. 4.2).
-    awr: exp(A / beta) clipped at the max weight (Peng et al. 2019, Sec. 3), computed in log space (no overflow).
-    """
+    """The weight w in the loss -w log pi(a|s) of vpg (A), vtrace (min(rho_bar, pi/mu) A; IMPALA Sec. 4.2) and awr
+    (exp(A / beta) clipped at the max weight, in log space: no overflow; Peng et al. 2019, Sec. 3)."""
     if policy_loss == "vpg":
         return advantages
     if policy_loss == "vtrace":
@@ -473,41 +404,31 @@ def vmpo_loss_terms(
     valid,
     normalizer,
     multipliers: LagrangeMultipliers,
-    eps_eta,
-    eps_alpha_mean,
-    eps_alpha_std,
+    bounds: tuple,
     axis_name,
 ):
-    """V-MPO's policy loss (Song et al. 2019, Sec. 3-4) on this device's samples of a minibatch sharded over
-    `axis_name`, from rlax's V-MPO functions: (policy loss, temperature loss, KL losses, multiplier losses).
-
-    E-step: the top half of the valid advantages of the *whole* minibatch (every device gathers them all) get the
-    weights softmax(A / eta); eta's loss is eta (eps_eta + log mean exp(A / eta)) over that half (Eq. 4). Each device
-    computes it on the same gathered advantages, so it counts 1 / devices here: the psum of gradients counts it once.
-    M-step: -sum of weights x log pi(a|s), plus for the mean's and the std's KL sg(alpha) KL and alpha (eps - sg(KL))
-    (rlax's parametric KL penalty), means over the valid samples: alpha grows while its KL exceeds eps.
-    """
+    """V-MPO (Song et al. 2019, Sec. 3-4; rlax) on this device's shard: (policy, temperature, KL, multiplier losses).
+    E-step: softmax(A / eta) over the top half of the *whole* minibatch's advantages (gathered from every device);
+    eta's loss eta (eps_eta + log mean exp(A / eta)) counts 1 / devices on each. M-step: -weights x log pi(a|s), and
+    per KL (mean, std; `bounds` = eps_eta and their eps) sg(alpha) KL + alpha (eps - sg(KL)): alpha grows above eps."""
     valid = valid.astype(jnp.float32)
-    all_advantages = jax.lax.all_gather(advantages, axis_name, tiled=True)
-    all_valid = jax.lax.all_gather(valid, axis_name, tiled=True)
+    all_advantages, all_valid = (jax.lax.all_gather(x, axis_name, tiled=True) for x in (advantages, valid))
     temperature_loss, weights, _ = rlax.vmpo_compute_weights_and_temperature_loss(
         all_advantages,
         all_valid,
         jnp.ones_like(all_valid),  # no importance weights: V-MPO learns from the (one version behind) rollout as is
-        rlax.LagrangePenalty(multipliers.temperature, eps_eta),
+        rlax.LagrangePenalty(multipliers.temperature, bounds[0]),
         projection_operator=lambda x: x,  # project_multipliers keeps them positive
         top_k_fraction=0.5,
     )
     weights = jax.lax.dynamic_slice_in_dim(weights, jax.lax.axis_index(axis_name) * len(advantages), len(advantages))
     policy_loss = -(weights * new_logprobs).sum()
     temperature_loss /= jax.lax.psum(1, axis_name)
-    kl_loss, alpha_loss = rlax.compute_parametric_kl_penalty_and_dual_loss(
-        [
-            (kl_mean, rlax.LagrangePenalty(multipliers.alpha_mean, eps_alpha_mean)),
-            (kl_std, rlax.LagrangePenalty(multipliers.alpha_std, eps_alpha_std)),
-        ],
-        lambda x: x,
-    )
+    alphas = multipliers.alpha_mean, multipliers.alpha_std
+    constraints = [
+        (kl, rlax.LagrangePenalty(alpha, eps)) for kl, alpha, eps in zip((kl_mean, kl_std), alphas, bounds[1:])
+    ]
+    kl_loss, alpha_loss = rlax.compute_parametric_kl_penalty_and_dual_loss(constraints, lambda x: x)
     kl_loss, alpha_loss = ((x * valid).sum() / normalizer for x in (kl_loss, alpha_loss))
     return policy_loss, temperature_loss, kl_loss, alpha_loss
 
@@ -631,8 +552,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
     names += ["losses/kl_mean", "losses/kl_std"]  # how far each loss moves the policy from the update's start
-    if args.policy_loss == "vmpo":
-        names += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]
+    names += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]  # vmpo's only
 
     def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
         """Per device: the running statistics updated with the rollout of all devices (the same on every device),
@@ -666,14 +586,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
             advantages, returns = compute_vtrace(
                 **estimator_inputs, rhos=rhos, rho_bar=args.vtrace_rho_bar, c_bar=args.vtrace_c_bar
             )
-        return agent_state, Batch(
-            *map(
-                flat,
-                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
-            ),
-            flat(start_action_mean),
-            flat(start_action_logstd),
-        )
+        fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
+        return agent_state, Batch(*map(flat, (*fields, start_action_mean, start_action_logstd)))
 
     def loss_fn(params: Params, minibatch: Batch):
         action_mean, action_logstd, new_values = agent.apply(params.network, minibatch.obs)
@@ -724,9 +638,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
                 valid=valid,
                 normalizer=normalizer,
                 multipliers=params.multipliers,
-                eps_eta=args.vmpo_eps_eta,
-                eps_alpha_mean=args.vmpo_eps_alpha_mean,
-                eps_alpha_std=args.vmpo_eps_alpha_std,
+                bounds=(args.vmpo_eps_eta, args.vmpo_eps_alpha_mean, args.vmpo_eps_alpha_std),
                 axis_name="batch",
             )
         loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef + sum(vmpo_metrics)

@@ -152,9 +152,7 @@ def vmpo_terms(multipliers, num_devices: int = 1, kl_mean=0.02, kl_std=1e-4):
             valid=valid,
             normalizer=normalizer,
             multipliers=multipliers,
-            eps_eta=0.1,
-            eps_alpha_mean=0.01,
-            eps_alpha_std=5e-5,
+            bounds=(0.1, 0.01, 5e-5),
             axis_name="batch",
         )
         return jax.lax.psum(jnp.stack(losses), "batch")
