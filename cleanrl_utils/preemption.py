@@ -1,10 +1,16 @@
-"""Preemption: SIGTERM (SLURM) or Ctrl-C stops the run at an update boundary that every process agrees on.
+"""Preemption: SIGTERM (Slurm, a spot instance) or Ctrl-C stops the run at an update boundary that every process
+agrees on.
 
 The learner asks `requested()` once per update. With several processes the answer is agreed (an allgather of
 the signals each has received), so all stop after the same update and write the same checkpoint; a process
 that got no signal still learns that a peer was preempted, and reports the run as interrupted, not finished.
+
+Every SIGTERM means the same: Slurm signals each task SIGTERM, SIGCONT and SIGTERM again within milliseconds (and
+`srun uv run ...` forwards one more), so a second SIGTERM must not end the process before its stop checkpoint; Slurm
+itself sends SIGKILL when the grace time is over. A second Ctrl-C, typed by a person, interrupts at once.
 """
 
+import os
 import signal
 import threading
 
@@ -20,10 +26,10 @@ class Preemption:
         signal.signal(signal.SIGINT, self._on_signal)
 
     def _on_signal(self, signum, frame):
-        """Stop at the next update boundary and checkpoint; a second signal interrupts at once."""
+        """Stop at the next update boundary and checkpoint (any number of SIGTERMs); a second Ctrl-C interrupts."""
         self.received.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         if self.world_size == 1:
             self.stop_event.set()  # alone, stop the actors now; several processes first agree on the update
 
@@ -52,9 +58,18 @@ class Preemption:
         return 128 + self.stop_signal if self.stop_signal else 0
 
     def report(self, update: int, run_name: str):
-        if self.stop_signal:
-            print(
-                f"stopped by signal {self.stop_signal} after update {update}: run the same command (--run-name "
-                f"{run_name}) to resume",
-                flush=True,
+        """How the run stopped, and how to resume it: under Slurm, the job's own requeue (cleanba.slurm_template
+        requeues a preempted job; a new submission would be a new job id, hence a new default run name)."""
+        if not self.stop_signal:
+            return
+        job = os.environ.get("SLURM_JOB_ID")
+        if job is None:
+            how = f"run the same command (--run-name {run_name}) to resume"
+        else:
+            array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+            job_id = f"{array_task[0]}_{array_task[1]}" if None not in array_task else job
+            how = (
+                f"Slurm job {job_id} resumes it when requeued (cleanba.slurm_template requeues a preempted job; "
+                f"by hand: scontrol requeue {job_id}, or any job with --run-name {run_name})"
             )
+        print(f"stopped by signal {self.stop_signal} after update {update}: {how}", flush=True)
