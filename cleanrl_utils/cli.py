@@ -4,7 +4,8 @@ Library code raises typed errors (cleanrl_utils.errors); `run_cli` prints a `Usa
 exit code 2 (like argparse), a `RunError` or an `OSError` (disk full, permission denied) as one line with exit code 1,
 and a bad flag value or choice (tyro's parse errors) as one `error:` line with exit code 2 too. After jax.distributed
 has started, a failed process ends at once (`exit_process`): the interpreter's exit barrier would wait for peers that
-may still be training (they stop with their own error, or when their heartbeat times out).
+may still be training (they stop with their own error, or when their heartbeat times out); a failure in a collective
+because a peer ended first is one line naming that peer (cleanrl_utils/processes.py).
 """
 
 import contextlib
@@ -16,7 +17,7 @@ from typing import NoReturn
 
 import tyro
 
-from cleanrl_utils.errors import error_line, exit_code
+from cleanrl_utils.errors import UsageError, error_line, exit_code
 
 _process = {"distributed": False}
 
@@ -76,6 +77,12 @@ def run_cli(main, args_class, argv: list[str] | None = None):
     except BaseException as error:
         line = error_line(error)
         if distributed_started():
+            if not isinstance(error, UsageError):  # a collective that failed because a peer ended: name it
+                from cleanrl_utils.processes import peer_failure_line
+
+                peer_line = peer_failure_line()
+                if peer_line is not None:
+                    exit_process(1, peer_line)
             if line is None:
                 traceback.print_exc()
             exit_process(exit_code(error), line)

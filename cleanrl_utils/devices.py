@@ -4,19 +4,15 @@ The actor devices are local to each process; the learner devices are `--learner-
 in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
 """
 
-import json
 import math
 import os
-import socket
-import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from cleanrl_utils.cli import distributed_started, exit_process, mark_distributed
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import INT32_MAX, computation_flags, flag
+from cleanrl_utils.flags import INT32_MAX, flag
+from cleanrl_utils.processes import agree_on_flags, start_distributed
 
 
 def ensure_host_devices(device_ids: list[int]):
@@ -63,7 +59,7 @@ def device_layout(args) -> DeviceLayout:
     from jax.sharding import Mesh
 
     if args.distributed:
-        start_distributed(args)
+        start_distributed(args)  # cleanrl_utils/processes.py
         agree_on_flags(args)
     local_devices = jax.local_devices()
     for name, ids in [("actor_device_ids", actor_device_ids), ("learner_device_ids", args.learner_device_ids)]:
@@ -167,98 +163,6 @@ def check_replay_fits(buffer_size: int, init, item, learner_devices: list, new_r
         )
 
 
-def start_distributed(args):
-    """jax.distributed.initialize, bounded: a peer that has not arrived after --heartbeat-timeout seconds ends the
-    wait with one line (JAX's own timeout aborts the process with a C++ stack dump, so ours fires first)."""
-    import jax
-
-    if args.coordinator_address is not None:
-        host = args.coordinator_address.rpartition(":")[0].strip("[]")
-        try:
-            socket.getaddrinfo(host, None)
-        except (socket.gaierror, UnicodeError) as error:
-            raise UsageError(
-                f"--coordinator-address {args.coordinator_address}: cannot resolve {host!r} "
-                f"({getattr(error, 'strerror', None) or error}); use host:port of process 0"
-            ) from None
-    started = time.time()
-
-    def give_up():  # the main thread is blocked inside JAX: only ending the process ends the wait
-        exit_process(
-            1,
-            f"--distributed: not every process arrived within --heartbeat-timeout {args.heartbeat_timeout}s "
-            f"(waited {time.time() - started:.0f}s for {args.num_processes or 'all'} processes at "
-            f"{args.coordinator_address or 'the SLURM coordinator'}); start them all, or raise "
-            "--heartbeat-timeout",
-        )
-
-    timer = threading.Timer(args.heartbeat_timeout, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
-        jax.distributed.initialize(
-            args.coordinator_address,
-            args.num_processes,
-            args.process_id,
-            initialization_timeout=args.heartbeat_timeout + 60,
-            heartbeat_timeout_seconds=args.heartbeat_timeout,
-        )
-    except ValueError as error:  # e.g. no SLURM and no --coordinator-address: JAX cannot tell the cluster
-        raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
-    finally:
-        timer.cancel()
-    mark_distributed(True)
-
-
-def agreed_values(args) -> dict:
-    """What every process of a run must share: the flags that shape the computation, the checkpoint schedule,
-    and how many devices each process gives the actors and the learner (the batch is split by them)."""
-    return {
-        **computation_flags(args),
-        **{
-            name: getattr(args, name)
-            for name in ["checkpoint_frequency", "checkpoint_keep", "resume", "heartbeat_timeout"]
-        },
-        "actor_device_ids (count)": len(getattr(args, "actor_device_ids", [])),
-        "learner_device_ids (count)": len(args.learner_device_ids),
-    }
-
-
-def agree_on_flags(args):
-    """Every process compares its values with everyone's before any heavy work: a mismatch is the same UsageError
-    in every process, naming the flag and both values (instead of a hang or an abort deep in a collective)."""
-    from jax.experimental import multihost_utils
-
-    encoded = json.dumps(agreed_values(args), default=str).encode()
-    try:
-        length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
-        everyone = multihost_utils.process_allgather(np.frombuffer(encoded.ljust(length), np.uint8))
-    except Exception as error:  # noqa: BLE001 - e.g. processes with different numbers of devices
-        raise UsageError(
-            f"--distributed: the processes could not compare their flags ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:200]}); start every process with the same flags and as many "
-            "devices (the largest of --actor-device-ids and --learner-device-ids)"
-        ) from None
-    tables = [json.loads(bytes(row).decode()) for row in np.asarray(everyone)]
-    for name, value in tables[0].items():
-        for rank, table in enumerate(tables[1:], start=1):
-            if table.get(name) != value:
-                raise UsageError(
-                    f"the processes disagree on {flag(name)}: process 0 has {value}, process {rank} has "
-                    f"{table.get(name)}; every process of a run needs the same value"
-                )
-
-
-def agreed_time() -> int:
-    """Process 0's clock (unix seconds), the same in every process: e.g. for the default run name."""
-    if not distributed_started():
-        return int(time.time())
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(time.time())))
-
-
 def replicate(tree, mesh):
     """Host values, identical in every process, to one replicated global array per leaf over the mesh (a typed PRNG
     key goes as its data, and is a key again on the mesh)."""
@@ -289,14 +193,6 @@ def copies_for_devices(tree, devices: list) -> dict:
 
     local = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
     return {device: jax.device_put(local, device, may_alias=False) for device in devices}
-
-
-def shutdown():
-    if distributed_started():
-        import jax
-
-        jax.distributed.shutdown()
-        mark_distributed(False)
 
 
 def assemble_global_rollout(per_thread_storages: list, mesh, global_envs: int):

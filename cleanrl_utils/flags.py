@@ -137,7 +137,7 @@ def check_run_flags(args):
     if args.resume and args.run_name is None:
         raise UsageError("--resume needs --run-name: the name of the run to continue")
     if args.distributed and (args.coordinator_address is None) != (args.num_processes is None):
-        raise UsageError("--coordinator-address and --num-processes go together (or neither, to auto-detect SLURM)")
+        raise UsageError("--coordinator-address and --num-processes go together (or neither, to auto-detect Slurm)")
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
         raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
 
@@ -217,13 +217,13 @@ class DeviceArgs(RunArgs):
     learner_device_ids: RunSetting[list[int]] = field(default_factory=lambda: [0])
     """the local device ids the data-parallel learner runs on (in every process) (distinct, in [0, 63])"""
     distributed: RunSetting[bool] = False
-    """call jax.distributed.initialize() (SLURM is auto-detected; else use the three flags below)"""
+    """call jax.distributed.initialize() (Slurm is auto-detected; else use the three flags below)"""
     coordinator_address: RunSetting[str | None] = None
-    """with --distributed outside SLURM: host:port of process 0"""
+    """with --distributed outside Slurm: host:port of process 0"""
     num_processes: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the number of processes (in [1, 65536])"""
+    """with --distributed outside Slurm: the number of processes (in [1, 65536])"""
     process_id: RunSetting[int | None] = None
-    """with --distributed outside SLURM: the id of this process, in [0, num_processes)"""
+    """with --distributed outside Slurm: the id of this process, in [0, num_processes)"""
     heartbeat_timeout: RunSetting[int] = 30
     """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
     wait for every process to start (in [1, 86400])"""
