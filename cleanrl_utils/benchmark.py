@@ -1,4 +1,4 @@
-"""Run one training command over env ids x seeds: on local workers, or as a SLURM job array.
+"""Run one training command over env ids x seeds: on local workers, or as a Slurm job array.
 
     python -m cleanrl_utils.benchmark --env-ids CartPole-v1 Acrobot-v1 --num-seeds 3 --workers 2 \\
         --command "uv run python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py --track"
@@ -37,13 +37,13 @@ class Args:
     workers: int = 1
     """how many runs at once: local processes, or the job array's concurrency limit"""
     slurm_template_path: str | None = None
-    """submit the sweep as a SLURM job array rendered from this template (e.g. cleanba.slurm_template)"""
+    """submit the sweep as a Slurm job array rendered from this template (e.g. cleanba.slurm_template)"""
     slurm_gpus_per_task: int = 1
-    """GPUs per SLURM task (per jax.distributed process)"""
+    """GPUs per Slurm task (per jax.distributed process; 0: no GPU request, for CPU clusters)"""
     slurm_cpus_per_task: int = 8
-    """CPUs per SLURM task"""
+    """CPUs per Slurm task"""
     slurm_ntasks: int = 1
-    """SLURM tasks per run: jax.distributed processes (more than one needs --distributed in --command)"""
+    """Slurm tasks per run: jax.distributed processes (more than one needs --distributed in --command)"""
     slurm_nodes: int = 1
     """nodes per run"""
     slurm_partition: str | None = None
@@ -108,7 +108,11 @@ def render_slurm_script(args: Args, template: str) -> str:
     runs = [(env_id, seed) for seed in seeds for env_id in args.env_ids]
     sbatch_extra = "".join(
         f"#SBATCH --{name}={value}\n"
-        for name, value in [("partition", args.slurm_partition), ("account", args.slurm_account)]
+        for name, value in [
+            ("gpus-per-task", args.slurm_gpus_per_task),  # 0: a CPU cluster, where a GPU request is refused
+            ("partition", args.slurm_partition),
+            ("account", args.slurm_account),
+        ]
         if value
     )
     values = {
@@ -116,7 +120,6 @@ def render_slurm_script(args: Args, template: str) -> str:
         "array": f"0-{len(runs) - 1}%{args.workers}",
         "nodes": str(args.slurm_nodes),
         "ntasks": str(args.slurm_ntasks),
-        "gpus_per_task": str(args.slurm_gpus_per_task),
         "cpus_per_task": str(args.slurm_cpus_per_task),
         "log_dir": args.slurm_log_dir,
         "sbatch_extra": sbatch_extra.rstrip("\n"),
@@ -151,8 +154,10 @@ def submit_slurm(args: Args) -> int:
 
 def main(args: Args) -> int:
     for name in ["num_seeds", "workers", "slurm_gpus_per_task", "slurm_cpus_per_task", "slurm_ntasks", "slurm_nodes"]:
-        if getattr(args, name) < (0 if name == "slurm_gpus_per_task" else 1):
-            fail(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+        least = 0 if name == "slurm_gpus_per_task" else 1
+        if getattr(args, name) < least:
+            kind = "a non-negative" if least == 0 else "a positive"
+            fail(f"--{name.replace('_', '-')} must be {kind} integer, got {getattr(args, name)}")
     if not args.env_ids:
         fail("--env-ids needs at least one environment id")
     if args.slurm_template_path is not None:
