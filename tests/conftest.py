@@ -150,7 +150,7 @@ def start_processes(
     process_args: list[list[str]] | None = None,
     process_ids: list[int] | None = None,
 ) -> list[subprocess.Popen]:
-    """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without SLURM; `cwd` is one
+    """A jax.distributed run of `num_processes` processes on 127.0.0.1, as on a cluster without Slurm; `cwd` is one
     folder for all, or one per process (hosts whose working directories differ); `process_args`: flags added to
     each process's command; `process_ids`: start only these processes (the others never arrive)."""
     coordinator = f"127.0.0.1:{free_port()}"
@@ -329,6 +329,14 @@ def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:
         f"the process ended (exit code {process.returncode}) before printing {prefix!r}:\n"
         f"{''.join(lines)[-2000:]}\n{process.stderr.read()[-3000:]}"
     )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line when the real-Slurm tests (tests/test_slurm.py) could not run here, and why."""
+    from slurm_cluster import NOT_RUN
+
+    if NOT_RUN:
+        terminalreporter.write_line(f"the Slurm tests did not run: {NOT_RUN[0]}")
 
 
 @pytest.fixture

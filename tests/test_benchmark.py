@@ -1,8 +1,7 @@
-"""cleanrl_utils.benchmark: local sweeps that survive failed runs, and SLURM job arrays from cleanba.slurm_template."""
+"""cleanrl_utils.benchmark: local sweeps that survive failed runs, and Slurm job arrays from cleanba.slurm_template."""
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -91,6 +90,40 @@ def render(workdir, extra_flags=()) -> tuple[subprocess.CompletedProcess, str]:
     return result, scripts[0].read_text() if scripts else ""
 
 
+def fake_slurm_commands(workdir, srun_exit_code: int = 0, preempt_time: str = "None"):
+    """Stand-ins for srun (prints its command line, exits with `srun_exit_code`) and scontrol (shows a job with
+    `preempt_time`, records a requeue): the rendered script's own logic, without a cluster (tests/test_slurm.py
+    runs it on a real one)."""
+    fake_bin = workdir / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    (fake_bin / "srun").write_text(f'#!/bin/bash\necho "srun $*"\nexit {srun_exit_code}\n')
+    (fake_bin / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'if [ "$1" = show ]; then echo "JobId=$3 JobState=RUNNING PreemptTime={preempt_time}"; fi\n'
+        f'if [ "$1" = requeue ]; then echo "requeue $2" >> {workdir}/requeued; fi\n'
+    )
+    for name in ["srun", "scontrol"]:
+        (fake_bin / name).chmod(0o755)
+    return fake_bin
+
+
+def run_array_task(script_path, fake_bin, task_id: int) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(script_path)],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "PATH": f"{fake_bin}:{os.environ['PATH']}",
+            "SLURM_JOB_NAME": "cleanba",
+            "SLURM_JOB_ID": str(800 + task_id),
+            "SLURM_ARRAY_TASK_ID": str(task_id),
+            "SLURM_ARRAY_JOB_ID": "777",
+            "SLURM_CPUS_PER_TASK": "12",
+        },
+    )
+
+
 def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
     result, script = render(workdir)
     assert result.returncode == 0, result.stderr
@@ -104,6 +137,7 @@ def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
         "cpus-per-task": "12",
         "output": f"{workdir}/slurm/%x_%A_%a.out",
         "error": f"{workdir}/slurm/%x_%A_%a.err",
+        "open-mode": "append",  # a requeued attempt appends to the log of the ones before
         "requeue": "",
     }
     assert "/home" not in script and "~" not in script and "{{" not in script
@@ -111,33 +145,45 @@ def test_slurm_template_renders_a_2_node_4_task_sweep(workdir):
     script_path.write_text(script)
     assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
     # run each array task with a stand-in srun: every task starts the right run through srun
-    fake_bin = workdir / "bin"
-    fake_bin.mkdir()
-    (fake_bin / "srun").write_text('#!/bin/bash\necho "srun $*"\n')
-    (fake_bin / "srun").chmod(0o755)
+    fake_bin = fake_slurm_commands(workdir)
     expected = [("CartPole-v1", 3), ("Breakout-v5", 3), ("CartPole-v1", 4), ("Breakout-v5", 4)]
     for task_id, (env_id, seed) in enumerate(expected):
-        task = subprocess.run(
-            ["bash", str(script_path)],
-            capture_output=True,
-            text=True,
-            env={
-                **os.environ,
-                "PATH": f"{fake_bin}:{os.environ['PATH']}",
-                "SLURM_JOB_NAME": "cleanba",
-                "SLURM_ARRAY_TASK_ID": str(task_id),
-                "SLURM_ARRAY_JOB_ID": "777",
-            },
-        )
+        task = run_array_task(script_path, fake_bin, task_id)
         assert task.returncode == 0, task.stderr
         # a stable run name per array task, so that a requeued task resumes its own run
-        assert task.stdout.splitlines()[-1] == (
+        assert [line for line in task.stdout.splitlines() if line.startswith("srun ")] == [
             "srun python cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py "
             f"--distributed --learner-device-ids 1 2 3 --env-id {env_id} --seed {seed} "
             f"--run-name {env_id}__cleanba__{seed}__777"
-        )
-    if shutil.which("sbatch"):  # a real Slurm installation also validates the directives
-        assert subprocess.run(["sbatch", "--test-only", str(script_path)], capture_output=True).returncode == 0
+        ]
+        assert f"job 777_{task_id} (restart 0) on " in task.stdout
+    assert not (workdir / "requeued").exists()
+
+
+@pytest.mark.parametrize(
+    "exit_code, preempt_time, requeued",
+    [(143, "2026-11-25T02:08:32", True), (143, "None", False), (1, "2026-11-25T02:08:32", False)],
+    ids=["stopped-after-preemption", "stopped-by-scancel-or-time-limit", "failed"],
+)
+def test_the_job_requeues_itself_only_when_a_preempted_run_stopped_at_a_checkpoint(
+    exit_code, preempt_time, requeued, workdir
+):
+    """Slurm records a job preempted with a grace time, that ends within it, as FAILED 143 and never requeues it:
+    the script requeues itself when the run stopped on its signal (143) and the job shows a PreemptTime. A run that
+    failed, or was stopped by scancel or a time limit, is not requeued."""
+    result, script = render(workdir, ["--slurm-gpus-per-task", "0"])
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --gpus-per-task" not in script  # a CPU cluster: sbatch refuses a GPU request there
+    script_path = workdir / "job.slurm"
+    script_path.write_text(script)
+    task = run_array_task(script_path, fake_slurm_commands(workdir, exit_code, preempt_time), 1)
+    assert task.returncode == exit_code
+    assert f"srun exited with code {exit_code}" in task.stdout
+    if requeued:
+        assert (workdir / "requeued").read_text() == "requeue 801\n"
+        assert "job 777_1: preempted, requeued" in task.stdout
+    else:
+        assert not (workdir / "requeued").exists()
 
 
 def test_partition_and_account_come_only_from_flags(workdir):

@@ -234,18 +234,69 @@ def test_a_flag_added_later_keeps_old_checkpoints_usable(tmp_path, monkeypatch):
 
 
 def test_preemption_alone_stops_now_and_exits_with_the_shells_code():
+    """Slurm sends SIGTERM, SIGCONT and SIGTERM within milliseconds (srun uv run forwards one more): every SIGTERM
+    keeps the stop graceful, so the stop checkpoint is written; a person's second Ctrl-C interrupts at once."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         stop_event = threading.Event()
         preemption = Preemption(1, stop_event)
         assert not preemption.requested() and preemption.exit_code == 0 and preemption.stop_signal is None
-        signal.raise_signal(signal.SIGTERM)
+        for sig in [signal.SIGTERM, signal.SIGCONT, signal.SIGTERM, signal.SIGTERM]:
+            signal.raise_signal(sig)  # the process survives each of them
         assert stop_event.is_set() and preemption.requested()
         assert preemption.stop_signal == signal.SIGTERM and preemption.exit_code == 143
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # a second signal ends the process at once
+        assert signal.getsignal(signal.SIGTERM) == preemption._on_signal
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert preemption.stop_signal == signal.SIGTERM  # the first signal names the stop
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+@pytest.mark.parametrize("user_ids", [None, "0"], ids=["flags", "JAX_LOCAL_DEVICE_IDS"])
+def test_under_slurm_each_process_sees_every_gpu_its_device_flags_name(user_ids, monkeypatch):
+    """srun's task 3 of 4 (the second on its node): JAX alone would make GPU SLURM_LOCALID = 1 its only device
+    (one process per GPU), so the docs' a0-l1,2,3 layout could not start; the arguments start_distributed gives
+    jax.distributed.initialize keep GPUs 0-3 of the task, and JAX's own Slurm detection fills in the rest."""
+    from jax._src.clusters import ClusterEnv
+
+    from cleanrl_utils import processes
+
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "3",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NUM_NODES": "2",
+    }
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("JAX_LOCAL_DEVICE_IDS", raising=False)
+    if user_ids is not None:
+        monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", user_ids)
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(processes, "mark_distributed", lambda started: None)
+    monkeypatch.setattr(processes, "_listen_for_peers", lambda: None)
+    args = dataclasses.replace(_layout_args(), learner_device_ids=[1, 2, 3])
+    args.coordinator_address, args.num_processes, args.process_id, args.heartbeat_timeout = None, None, None, 30
+    processes.start_distributed(args)
+    ((positional, keywords),) = calls
+    ids = keywords["local_device_ids"]
+    if user_ids is not None:
+        assert ids is None  # the user's JAX_LOCAL_DEVICE_IDS, read by jax.distributed.initialize itself
+        return
+    assert ids == [0, 1, 2, 3]
+    # what jax.distributed.initialize does with them under these variables, and without them
+    detected = ClusterEnv.auto_detect_unset_distributed_params(*positional, ids, None, None)
+    port = 4242 % 4096 + 65535 - 4096 + 1  # JAX's default; cleanba.slurm_template sets JAX_COORDINATOR_PORT
+    assert detected == (f"gpu07:{port}", 4, 3, [0, 1, 2, 3])
+    assert ClusterEnv.auto_detect_unset_distributed_params(*positional, None, None, None)[3] == [1]
+    monkeypatch.setenv("JAX_COORDINATOR_PORT", "40123")
+    assert ClusterEnv.auto_detect_unset_distributed_params(*positional, ids, None, None)[0] == "gpu07:40123"
 
 
 def _layout_args():

@@ -1,0 +1,252 @@
+"""A real one-node Slurm cluster for the tests: munged, slurmctld and slurmd from Debian's packages, started in a
+temporary folder with tests/slurm/slurm.conf, stopped by their PIDs. Jobs are submitted the way docs/distributed.md
+says (the sweep tool and cleanba.slurm_template); every wait is bounded and ends the test with the job's state and
+log when its time is up."""
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+DAEMONS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun"]
+PACKAGES = "slurmctld slurmd slurm-client munge"
+NOT_RUN: list[str] = []  # why the Slurm tests did not run on this machine (printed once, by conftest)
+
+
+def why_not_here() -> str | None:
+    """Why this machine cannot run the cluster (None: it can)."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed (Debian: apt-get install {PACKAGES}; bash .ci/run does as root)"
+    if os.geteuid() != 0:
+        return "not root (slurmd starts the jobs' processes as their users, which needs root)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(condition, timeout: float, what: str, details=lambda: ""):
+    """Poll `condition()` until it returns something true (returned), or fail the test after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{details()}")
+
+
+class Cluster:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.conf = folder / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.pid_files = [folder / "munge" / "munged.pid", folder / "slurmctld.pid", folder / "slurmd.pid"]
+
+    # ------------------------------------------------------------ start and stop
+
+    def start(self):
+        for sub in ["munge", "state", "spool", "log"]:
+            (self.folder / sub).mkdir(mode=0o700)
+        key = self.folder / "munge" / "munge.key"
+        key.write_bytes(secrets.token_bytes(1024))
+        key.chmod(0o400)
+        munge = self.folder / "munge"
+        self.run(
+            "munged",
+            "--force",
+            f"--socket={munge / 'munge.socket'}",
+            f"--key-file={key}",
+            f"--pid-file={munge / 'munged.pid'}",
+            f"--log-file={munge / 'munged.log'}",
+            f"--seed-file={munge / 'munged.seed'}",
+            daemon=True,
+        )
+        memory_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+        self.cpus = len(os.sched_getaffinity(0))
+        self.conf.write_text(
+            (TESTS / "slurm" / "slurm.conf")
+            .read_text()
+            .format(
+                folder=self.folder,
+                host=socket.gethostname().split(".")[0],
+                slurmctld_port=free_port(),
+                slurmd_port=free_port(),
+                cpus=self.cpus,
+                memory_mb=memory_mb * 9 // 10,
+            )
+        )
+        self.run("slurmctld", "-f", str(self.conf), daemon=True)
+        self.run("slurmd", "-f", str(self.conf), daemon=True)
+        wait_until(
+            lambda: set(self.run("sinfo", "-h", "-N", "-o", "%t", check=False).stdout.split()) == {"idle"},
+            60,
+            "the node to be idle",
+            self.daemon_logs,
+        )
+
+    def stop(self):
+        """Cancel every job, end whatever the jobs left (processes that carry this cluster's SLURM_CONF), then the
+        daemons, by their PIDs."""
+        self.run("scancel", "--user", "root", check=False)
+        deadline = time.time() + 45  # KillWait (30 s) and a margin
+        while self.job_processes() and time.time() < deadline:
+            time.sleep(0.5)
+        for pid in self.job_processes():
+            os.kill(pid, signal.SIGKILL)
+        for pid_file in reversed(self.pid_files):
+            if pid_file.exists():
+                pid = int(pid_file.read_text())
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+                deadline = time.time() + 15
+                while Path(f"/proc/{pid}").exists() and time.time() < deadline:
+                    time.sleep(0.2)
+                if Path(f"/proc/{pid}").exists():
+                    os.kill(pid, signal.SIGKILL)
+
+    def job_processes(self) -> list[int]:
+        """PIDs of the processes that the cluster's jobs started (their environment names this cluster's config)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit() and int(proc.name) != os.getpid():
+                try:
+                    if mark in (proc / "environ").read_bytes().split(b"\0"):
+                        pids.append(int(proc.name))
+                except OSError:
+                    continue
+        return pids
+
+    def daemon_logs(self) -> str:
+        return "\n".join(
+            f"--- {path.name}:\n{path.read_text()[-3000:]}" for path in sorted((self.folder / "log").glob("*.log"))
+        )
+
+    # ------------------------------------------------------------ what a user types
+
+    def run(self, *command: str, check: bool = True, daemon: bool = False) -> subprocess.CompletedProcess:
+        """A Slurm command on this cluster; a daemon (which gets its config with -f) without SLURM_CONF, so that only
+        the jobs' processes carry it (`job_processes`)."""
+        env = {k: v for k, v in self.env.items() if k != "SLURM_CONF"} if daemon else self.env
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            pytest.fail(f"{' '.join(command)}: exit code {result.returncode}\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def submit_sweep(self, workdir: Path, command: str, *, tasks: int, env: dict) -> "Job":
+        """One run of `command` (--env-id CartPole-v1 --seed 1 appended) as docs/distributed.md submits it: the sweep
+        tool renders cleanba.slurm_template into a one-task job array and sbatch submits it from `workdir`."""
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cleanrl_utils.benchmark",
+                "--env-ids",
+                "CartPole-v1",
+                "--num-seeds",
+                "1",
+                "--command",
+                command,
+                "--slurm-template-path",
+                str(REPO / "cleanba.slurm_template"),
+                "--slurm-ntasks",
+                str(tasks),
+                "--slurm-cpus-per-task",
+                "1",
+                "--slurm-gpus-per-task",
+                "0",
+                "--slurm-log-dir",
+                str(workdir / "slurm"),
+            ],
+            cwd=workdir,
+            env={**env, "SLURM_CONF": str(self.conf), "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        submitted = re.search(r"Submitted batch job (\d+)", result.stdout)
+        assert result.returncode == 0 and submitted, result.stdout[-2000:] + result.stderr[-2000:]
+        return Job(self, submitted.group(1), workdir)
+
+    def preempt(self) -> str:
+        """A job in the high partition that needs every CPU: it preempts the running job, then ends at once."""
+        return self.run(
+            "sbatch", "--parsable", "-p", "high", "-n", str(self.cpus), "-o", "/dev/null", "--wrap", "sleep 1"
+        ).stdout.strip()
+
+    def set_grace_time(self, seconds: int):
+        self.run("scontrol", "update", "PartitionName=low", f"GraceTime={seconds}")
+
+
+class Job:
+    """An array task of a job submitted by the sweep tool (array index 0): its state, its log, its run."""
+
+    def __init__(self, cluster: Cluster, array_job_id: str, workdir: Path):
+        self.cluster, self.array_job_id, self.workdir = cluster, array_job_id, workdir
+        self.id = f"{array_job_id}_0"
+        self.out = workdir / "slurm" / f"cleanba_{array_job_id}_0.out"
+        self.err = workdir / "slurm" / f"cleanba_{array_job_id}_0.err"
+        self.run_dir = workdir / "runs" / f"CartPole-v1__cleanba__1__{array_job_id}"
+
+    def state(self) -> dict[str, str]:
+        """scontrol show job, as key -> value (JobState, Restarts, ExitCode, PreemptTime, ...)."""
+        shown = self.cluster.run("scontrol", "show", "job", "-o", self.id).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", shown))
+
+    def log(self) -> str:
+        return self.out.read_text() if self.out.exists() else ""
+
+    def errors(self) -> str:
+        return self.err.read_text() if self.err.exists() else ""
+
+    def details(self) -> str:
+        log, errors = self.log()[-4000:], self.errors()[-4000:]
+        return f"--- scontrol show job: {self.state()}\n--- out:\n{log}\n--- err:\n{errors}"
+
+    def wait_for_line(self, pattern: str, timeout: float = 180, after: int = 0) -> re.Match:
+        """The first match of `pattern` in the job's output after character `after`."""
+        return wait_until(
+            lambda: re.compile(pattern, re.MULTILINE).search(self.log(), after), timeout, repr(pattern), self.details
+        )
+
+    def wait_for_state(self, states: set[str], timeout: float = 240) -> dict[str, str]:
+        return wait_until(
+            lambda: (state := self.state()).get("JobState") in states and state, timeout, str(states), self.details
+        )
+
+    def task_pid(self, rank: int) -> int:
+        """The PID of the training process of task `rank` (not srun's, not slurmstepd's)."""
+
+        def find():
+            for pid in self.cluster.job_processes():
+                try:
+                    environ = dict(
+                        item.partition(b"=")[::2] for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    )
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                ours = environ.get(b"SLURM_ARRAY_JOB_ID") == self.array_job_id.encode()
+                script = Path(argv[1].decode(errors="replace")).name if len(argv) > 1 else ""
+                if ours and environ.get(b"SLURM_PROCID") == str(rank).encode() and script.startswith("cleanba_"):
+                    return pid
+            return None
+
+        return wait_until(find, 30, f"the process of task {rank}", self.details)
