@@ -3,7 +3,7 @@
 # must not change what the scripts compute ("Shape v2") prints the same lines before and after. The digests depend
 # on the processor (XLA's CPU code differs between machines): compare lines printed on one machine.
 # usage: bash benchmark/final_digests.sh > before.txt; (change the code); bash benchmark/final_digests.sh | diff before.txt -
-# (from the repository root; about 3 minutes on 2 CPU cores)
+# (from the repository root; about 4 minutes on 2 CPU cores)
 set -euo pipefail
 workdir=$(mktemp -d)
 trap 'rm -rf "$workdir"' EXIT
@@ -39,3 +39,10 @@ run muzero cleanba_muzero_envpool_impala_atari_wrapper.py --env-id CartPole-v1 -
   --num-actor-threads 1 --num-steps 8 --hiddens 16 --embedding-size 8 --support-size 5 --num-simulations 4 \
   --unroll-steps 3 --td-steps 3 --minibatch-size 8 --buffer-size 512 --replay-ratio 0.125 --actor-device-ids 0 \
   --learner-device-ids 1 --total-timesteps 256 --seed 3
+# tests/test_anakin.py's tiny settings on two learner devices, 20 updates
+run ppo_anakin cleanba_ppo_anakin_xminigrid.py --local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 \
+  --update-epochs 2 --learner-device-ids 0 1 --total-timesteps 5120 --seed 3
+# tests/test_onpolicy.py's V-MPO run (V-trace advantages, two learner devices), 10 updates
+run onpolicy cleanba_onpolicy_continuous_action_envpool_mujoco.py --env-id Hopper-v4 --num-actor-threads 1 \
+  --local-num-envs 4 --num-steps 16 --hiddens 8 --num-minibatches 2 --update-epochs 2 --actor-device-ids 0 \
+  --learner-device-ids 1 2 --policy-loss vmpo --advantage-estimator vtrace --total-timesteps 640 --seed 3

@@ -1,5 +1,6 @@
-"""The shape of the six scripts, as a reader meets it: lines of each script, of its `main`, its `Args` and its longest
-actor function (`rollout`), the names it imports from cleanrl_utils, the `diff | wc -l` of the script pairs that
+"""The shape of the scripts, as a reader meets it: lines of each script, of its `main`, its `Args` and its actor
+function (a Sebulba script's `actor_loop`, the Anakin script's `rollout`; `rollout` in revisions before the rename),
+its functions over 60 lines, the names it imports from cleanrl_utils, the `diff | wc -l` of the script pairs that
 should differ only by their algorithm, and the lines of each cleanrl_utils module.
 
 usage (repository root): uv run python benchmark/script_shape.py [--rev REV]   (default: the working tree)
@@ -48,11 +49,13 @@ def shape(source: str) -> dict:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
         for alias in node.names
     ]
+    functions = {node.name: lines[node.name] for node in tree.body if isinstance(node, ast.FunctionDef)}
     return {
         "lines": len(source.splitlines()),
         "main": lines.get("main"),
         "Args": lines.get("Args"),
-        "rollout": lines.get("rollout"),
+        "actor": lines.get("actor_loop") or lines.get("rollout"),
+        "functions over 60 lines": ", ".join(f"{name} {n}" for name, n in functions.items() if n > 60) or "none",
         "cleanrl_utils names": len(imported),
     }
 

@@ -4,7 +4,7 @@ For one script and one config (the script's own flags, after `--`) this measures
   env        envpool alone: one actor thread's envs stepped with random actions (same envpool settings)
   inference  the actor's jitted policy alone, on the actor device, on real observations (incl. device_get)
   learner    the learner alone: updates on a stored rollout, on the learner devices
-  actor      one actor thread alone (the script's `rollout`: env + inference + storage + transfer)
+  actor      one actor thread alone (the script's `actor_loop`: env + inference + storage + transfer)
   full       the script itself, as a user runs it (a subprocess), steady state: after --warmup-updates
 and prints samples/s for each (median of the repeats, and the spread min..max), the serial ceiling
 1 / (t_env + t_inference + t_learner) in seconds per sample, and the full run's fraction of it. With actor and
@@ -86,7 +86,8 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     import numpy as np
 
     from cleanrl_utils.actors import ActorThread
-    from cleanrl_utils.devices import assemble_global_rollout, envpool_num_threads, replicate
+    from cleanrl_utils.data_path import assemble_global_rollout
+    from cleanrl_utils.devices import envpool_num_threads, replicate
 
     actor_device, learner_devices, mesh = layout.actor_devices[0], layout.learner_devices, layout.mesh
     num_envs, num_steps = args.local_num_envs, args.num_steps
@@ -110,7 +111,7 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
 
     results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
 
-    # inference: the actor's per-step call, as `rollout` makes it
+    # inference: the actor's per-step call, as `actor_loop` makes it
     agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
     actor_fns = module.make_actor_fns(agent)
     params = jax.device_put(module.actor_params(agent_state), actor_device)
@@ -140,7 +141,7 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
             stop_event=stop_event,
             queue_timeout=args.queue_timeout,
         )
-        module.rollout(
+        module.actor_loop(
             args=args,
             thread=thread,
             key=jax.random.key(args.seed),
@@ -161,7 +162,7 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
 
     # learner: one update of the global batch (every actor thread's rollout: here copies of the stored one)
     args.num_updates = 10**6
-    update = module.make_learner_fns(args, agent, mesh)
+    update = module.make_learner_update(args, agent, mesh)
     threads = args.num_actor_threads * len(args.actor_device_ids)
     storage = assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
     learner_state = module.LearnerState(replicate(agent_state, mesh), jax.random.key(args.seed))
@@ -314,7 +315,7 @@ def measure(harness: HarnessArgs, module, script_args: list[str], args):
     derive_batch_values(
         args, world_size=layout.world_size, local_rank=layout.local_rank, **SebulbaRun.env_copies(args, layout)
     )
-    module.set_runtime_values(args, layout)
+    module.check_runtime_values(args, layout)
     print(f"{harness.script.name} {' '.join(script_args)}")
     print(
         f"{jax.local_devices()[0].platform}: {jax.local_device_count()} device(s), {os.cpu_count()} cores, "

@@ -1,20 +1,18 @@
 """Sebulba IMPALA (Espeholt et al. 2018, V-trace) for envpool's discrete-action envs (Atari, classic
 control, Football, VizDoom, MiniGrid, Procgen).
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (V-trace targets and
-losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
-every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
-cleanrl_utils/, one small module each. The rest is the PPO script's (cleanba_ppo_envpool_impala_atari_wrapper.py):
-`diff` the two to see what is IMPALA.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (V-trace targets and losses), the
+actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for every algorithm
+(checkpoints, preemption, device layout, logging, stop-aware queues) comes from cleanrl_utils/, one small module each.
+The rest is the PPO script's (cleanba_ppo_envpool_impala_atari_wrapper.py): `diff` the two to see what is IMPALA.
 
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their own envpool and run
+jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
+`rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
+learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
+rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
+overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
+mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 """
 
 import os
@@ -44,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
@@ -328,6 +327,35 @@ def categorical_logprob_entropy(logits, actions):
     return logprob, entropy
 
 
+def vtrace_loss(params, minibatch: Rollout, *, agent: Agent, args: Args):
+    """A learner device's part of IMPALA's loss of the global minibatch of trajectories (each term a sum over its
+    valid samples divided by the whole minibatch's count: the parts add up to the loss); inside `shard_map` over the
+    mesh axis "batch". Returns (loss, (policy_loss, value_loss, entropy, approx_kl))."""
+    num_steps, num_envs = minibatch.actions.shape
+    obs = jnp.concatenate([minibatch.obs, minibatch.bootstrap_obs], axis=0)  # one forward pass for all values
+    logits, values = agent.apply(params, obs.reshape((-1, *obs.shape[2:])))
+    logits = logits.reshape((num_steps + 1, num_envs, -1))[:-1]
+    values = values.reshape((num_steps + 1, num_envs))
+    normalizer = jnp.maximum(jax.lax.psum(minibatch.valid.sum(), "batch"), 1).astype(jnp.float32)
+    pg_loss, v_loss, entropy_loss, approx_kl = vtrace_loss_terms(
+        logits=logits,
+        values=values[:-1],
+        bootstrap_value=values[-1],
+        actions=minibatch.actions,
+        behaviour_logprobs=minibatch.logprobs,
+        rewards=minibatch.rewards,
+        terminations=minibatch.terminations,
+        truncations=minibatch.truncations,
+        valid=minibatch.valid,
+        normalizer=normalizer,
+        gamma=args.gamma,
+        rho_bar=args.vtrace_rho_bar,
+        c_bar=args.vtrace_c_bar,
+    )
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+
 # ---------------------------------------------------------------- actor
 
 
@@ -356,9 +384,9 @@ def actor_params(agent_state: TrainState):
     return agent_state.params
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
-    ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
+    `key`, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
@@ -393,7 +421,7 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
                     previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
         # the obs after the last step: the learner values it (in the same forward pass as the rollout's obs)
         storage = Rollout(obs, actions, logprobs, rewards, terminations, truncations, valid, next_obs[None])
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -408,43 +436,19 @@ class LearnerState(NamedTuple):
     key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
 
 
-def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
+def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Each rollout is used
     once, split into minibatches of whole trajectories (V-trace runs along time). The minibatches are a Python loop
     over one compiled minibatch step: on CPU, XLA compiles a conv weight-gradient inside `lax.scan` into a very slow
-    loop, and on an H100 the loop was as fast as one scanned program (docs: the GPU measurements)."""
+    loop, and on an H100 the loop was as fast as one scanned program (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
     envs_per_learner_device = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     envs_per_learner_device //= len(args.learner_device_ids)
     minibatch_size = envs_per_learner_device // args.num_minibatches  # trajectories
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
-
-    def loss_fn(params, minibatch: Rollout):
-        num_steps, num_envs = minibatch.actions.shape
-        obs = jnp.concatenate([minibatch.obs, minibatch.bootstrap_obs], axis=0)  # one forward pass for all values
-        logits, values = agent.apply(params, obs.reshape((-1, *obs.shape[2:])))
-        logits = logits.reshape((num_steps + 1, num_envs, -1))[:-1]
-        values = values.reshape((num_steps + 1, num_envs))
-        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
-        normalizer = jnp.maximum(jax.lax.psum(minibatch.valid.sum(), "batch"), 1).astype(jnp.float32)
-        pg_loss, v_loss, entropy_loss, approx_kl = vtrace_loss_terms(
-            logits=logits,
-            values=values[:-1],
-            bootstrap_value=values[-1],
-            actions=minibatch.actions,
-            behaviour_logprobs=minibatch.logprobs,
-            rewards=minibatch.rewards,
-            terminations=minibatch.terminations,
-            truncations=minibatch.truncations,
-            valid=minibatch.valid,
-            normalizer=normalizer,
-            gamma=args.gamma,
-            rho_bar=args.vtrace_rho_bar,
-            c_bar=args.vtrace_c_bar,
-        )
-        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+    loss_fn = partial(vtrace_loss, agent=agent, args=args)
 
     def minibatch_update(agent_state: TrainState, storage: Rollout, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -461,17 +465,12 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
     # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis
     # checks reject; without them, each device's gradient is its own and the psum above sums them
-    minibatch_update = jax.jit(
-        jax.shard_map(
-            minibatch_update,
-            mesh=mesh,
-            out_specs=(replicated, replicated),
-            in_specs=(replicated, rollout_specs, sharded_steps, replicated),
-            check_vma=False,
-        ),
-        donate_argnums=(0,),
+    minibatch_specs = (replicated, rollout_specs, sharded_steps, replicated)
+    minibatch_update = shard_map(
+        minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated), check_vma=False
     )
-    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
+    minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
+    shuffle = jax.jit(shard_map(shuffle, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:
         agent_state, key = state
@@ -492,8 +491,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_update`, `LearnerState`, `validate_args` and
+# `check_runtime_values` from this script)
 
 
 def saved_model(state: LearnerState) -> dict:
@@ -524,8 +523,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 # ---------------------------------------------------------------- main: the Sebulba protocol
 
 
-def set_runtime_values(args: Args, layout: DeviceLayout):
-    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+def check_runtime_values(args: Args, layout: DeviceLayout):
+    """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
     check_int32_counts(args, {"optimizer steps": ("--num-minibatches", args.num_minibatches)})  # the schedule's count
 
 
@@ -536,31 +535,34 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
-    learner_update = make_learner_fns(args, agent, run.mesh)
-    state = run.restore(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    learner_update = make_learner_update(args, agent, run.mesh)
+    # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
-            state, metrics = run.learn(update, learner_update, state, storage)  # NaN or inf: stops, checkpointed
-            if update < args.num_updates:
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
+            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state, storage)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

@@ -3,19 +3,18 @@ model"; Gumbel MuZero: Danihelka et al. 2022, "Policy improvement by planning wi
 discrete-action envs (Atari, classic control, ...), with the tree search on the actor devices and the replay
 buffer on the learner devices, sharded along the env axis.
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (value transform, n-step
-targets, losses, search), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is
-the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
-cleanrl_utils/, one small module each.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (value transform, n-step targets,
+losses, search), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
+every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) comes from cleanrl_utils/, one
+small module each.
 
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their own envpool and run
+jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
+`rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
+learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
+rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
+overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
+mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 
 MuZero: each actor step is one batched tree search (DeepMind's mctx: `gumbel_muzero_policy`, or `muzero_policy`
 with `--search muzero`) over the thread's envs, the model one policy version behind; the rollout stores its action
@@ -53,11 +52,13 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, check_replay_fits, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -387,7 +388,8 @@ def n_step_value_targets(*, rewards, root_values, terminations, truncations, gam
     bootstraps from row j+1's root value (envpool's reset row holds the true last observation).
 
     Bootstrap: the root values the actors' searches stored, as in the MuZero paper; a target network (MuZero
-    Reanalyze) would need one more model pass per sampled sequence and gradient step (README: MuZero, Learner)."""
+    Reanalyze) would need one more model pass per sampled sequence and gradient step
+    (docs/rl-algorithms/muzero.md#implementation-details)."""
     num_targets = rewards.shape[-1] - td_steps
     rows = lambda x, i: x[..., i : i + num_targets]
     targets = jnp.zeros(rewards.shape[:-1] + (num_targets,))
@@ -497,6 +499,25 @@ def model_search(params, obs, key, *, agent: MuZeroNet, args: Args):
     return run_search(params, key, root, recurrent_fn, args)
 
 
+def muzero_loss(params, sequences: Rollout, normalizer, *, agent: MuZeroNet, args: Args):
+    """MuZero's loss of sampled sequences (a learner device's part of the global minibatch: sums over its roots
+    divided by the whole minibatch's count `normalizer`): (loss, (loss, policy_loss, value_loss, reward_loss))."""
+    targets = unroll_targets(sequences, unroll_steps=args.unroll_steps, td_steps=args.td_steps, gamma=args.gamma)
+    policy_logits, value_logits, reward_logits = unroll_model(
+        params, agent=agent, obs=sequences.obs[:, 0], actions=sequences.actions[:, : args.unroll_steps]
+    )
+    policy_loss, value_loss, reward_loss = muzero_loss_terms(
+        policy_logits=policy_logits,
+        value_logits=value_logits,
+        reward_logits=reward_logits,
+        targets=targets,
+        support_size=args.support_size,
+        normalizer=normalizer,
+    )
+    loss = policy_loss + args.value_coef * value_loss + reward_loss
+    return loss, (loss, policy_loss, value_loss, reward_loss)
+
+
 # ---------------------------------------------------------------- actor
 
 
@@ -523,9 +544,9 @@ def actor_params(agent_state: TrainState):
     return agent_state.params
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), searches on its actor device with `key`,
-    ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), searches on its actor device with
+    `key`, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
@@ -558,7 +579,7 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
                     previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
         storage = Rollout(obs, actions, action_weights, root_values, rewards, terminations, truncations, valid)
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -570,8 +591,22 @@ class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
     agent: TrainState  # params and optimizer state, replicated over the learner devices
-    replay: flashbax.buffers.trajectory_buffer.TrajectoryBufferState  # sharded along the env axis
     key: jax.Array  # the learner's PRNG key (minibatch samples), the same in every process
+    replay: flashbax.buffers.trajectory_buffer.TrajectoryBufferState  # sharded along the env axis
+
+
+def muzero_gradient_step(agent_state: TrainState, sequences: Rollout, *, agent: MuZeroNet, args: Args):
+    """One MuZero step (paper Appendix G) on a learner device's part of the global minibatch, inside `shard_map` over
+    the mesh axis "batch": the loss is the global mean over roots, gradients summed over the devices."""
+    normalizer = jnp.maximum(jax.lax.psum(sequences.valid[:, 0].sum(), "batch"), 1).astype(jnp.float32)
+    # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+    # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+    local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
+    loss_fn = partial(muzero_loss, agent=agent, args=args)
+    grads, metrics = jax.grad(loss_fn, has_aux=True)(local_params, sequences, normalizer)
+    grads, metrics = jax.lax.psum((grads, metrics), "batch")
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/reward_loss"]
+    return agent_state.apply_gradients(grads=grads), dict(zip(names, metrics))
 
 
 class LearnerFns(NamedTuple):
@@ -613,38 +648,12 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     )
     num_devices, global_envs = mesh.devices.size, args.batch_size // args.num_steps
     local_buffer = make_replay_buffer(args, num_devices, global_envs, local=True)
-    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/reward_loss"]
+    local_gradient_step = partial(muzero_gradient_step, agent=agent, args=args)
 
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         init = make_replay_buffer(args, num_devices, global_envs, local=False).init
         return jax.jit(init, out_shardings=shardings)(replay_item(args))
-
-    def loss_fn(params, sequences: Rollout, normalizer):
-        targets = unroll_targets(sequences, unroll_steps=args.unroll_steps, td_steps=args.td_steps, gamma=args.gamma)
-        policy_logits, value_logits, reward_logits = unroll_model(
-            params, agent=agent, obs=sequences.obs[:, 0], actions=sequences.actions[:, : args.unroll_steps]
-        )
-        policy_loss, value_loss, reward_loss = muzero_loss_terms(
-            policy_logits=policy_logits,
-            value_logits=value_logits,
-            reward_logits=reward_logits,
-            targets=targets,
-            support_size=args.support_size,
-            normalizer=normalizer,
-        )
-        loss = policy_loss + args.value_coef * value_loss + reward_loss
-        return loss, (loss, policy_loss, value_loss, reward_loss)
-
-    def local_gradient_step(agent_state: TrainState, sequences: Rollout):
-        """One MuZero step (paper Appendix G) on this device's sequences; the loss is the global mean over roots."""
-        normalizer = jnp.maximum(jax.lax.psum(sequences.valid[:, 0].sum(), "batch"), 1).astype(jnp.float32)
-        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
-        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
-        local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(local_params, sequences, normalizer)
-        grads, metrics = jax.lax.psum((grads, metrics), "batch")
-        return agent_state.apply_gradients(grads=grads), dict(zip(names, metrics))
 
     def local_update(agent_state: TrainState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
@@ -669,11 +678,11 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
         )(agent_state, replay, storage, key)
 
     def update(state: LearnerState, storage: Rollout, train: bool) -> tuple[LearnerState, dict]:
-        agent_state, replay, key = state
+        agent_state, key, replay = state
         key, update_key = jax.random.split(key)
         agent_state, replay, metrics = update_step(agent_state, replay, storage, update_key, train=train)
         metrics["stats/gradient_steps"] = args.gradient_steps * train
-        return LearnerState(agent_state, replay, key), metrics
+        return LearnerState(agent_state, key, replay), metrics
 
     gradient_step = jax.shard_map(
         local_gradient_step, mesh=mesh, in_specs=(replicated, sequence_specs), out_specs=(replicated, replicated)
@@ -695,7 +704,7 @@ def end_stored_episodes(replay):
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
 # `set_runtime_values` from this script)
 
 
@@ -723,21 +732,11 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def set_runtime_values(args: Args, layout: DeviceLayout):
     """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
-    gradient_steps = args.replay_ratio * args.batch_size
-    if round(gradient_steps) < 1 or abs(gradient_steps - round(gradient_steps)) > 1e-6:
-        raise UsageError(
-            f"--replay-ratio ({args.replay_ratio}) x env steps per update ({args.batch_size}) must be a "
-            "positive whole number of gradient steps"
-        )
-    args.gradient_steps = round(gradient_steps)
+    args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # learning starts in the first update after which every env's replay rows hold one whole sequence (K + n + 1)
     args.learning_starts_updates = -(-sequence_length(args) // args.num_steps) - 1
     global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
-    if args.minibatch_size % num_learner_devices != 0:
-        raise UsageError(
-            f"--minibatch-size ({args.minibatch_size}) must be divisible by the number of learner devices "
-            f"of all processes ({num_learner_devices}): each samples its share"
-        )
+    check_minibatch_split(args.minibatch_size, num_learner_devices)
     rows, new_rows = args.buffer_size // global_envs, max(args.num_steps, sequence_length(args))
     if rows < new_rows:
         raise UsageError(
@@ -761,37 +760,39 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
-    state = run.restore(
-        LearnerState(replicate(agent_state, run.mesh), learner.init_replay(), learner_key), state_summary
+    # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(
+        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
     )
     if run.start_update:  # the actors start new episodes: the newest stored rows end theirs
         state = state._replace(replay=end_stored_episodes(state.replay))
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent, args))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent, args))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # no whole sequence in the replay yet
-            # NaN or inf: stops, checkpointed with the replay as it is now (env data, finite: it holds this rollout)
-            state, metrics = run.learn(update, learner.update, state, storage, train)
-            if update < args.num_updates:
+            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            state, metrics = learner.update(state, storage, train)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

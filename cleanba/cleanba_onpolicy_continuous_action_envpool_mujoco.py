@@ -16,6 +16,7 @@ loss is a loss on the log-probabilities of the rollout's actions (SEED RL's fram
 The value loss, entropy bonus and approx-KL are the PPO script's for every loss.
 """
 
+import dataclasses
 import queue
 import sys
 import warnings
@@ -38,7 +39,8 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
@@ -86,7 +88,7 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """the K epochs to update the policy: 10 for ppo, awr and vmpo (PPO paper, Table 3), 1 for vpg and vtrace, whose
     gradients hold for the rollout's policy only and whose steps nothing bounds (IMPALA: one pass) (positive)"""
     norm_adv: bool = True
-    """toggles advantages normalization (per minibatch)"""
+    """toggles advantages normalization (with the mean and std of the whole minibatch, over every learner device)"""
     clip_coef: float = 0.2
     """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2) (positive, finite)"""
     clip_vloss: bool = True
@@ -120,11 +122,16 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """V-MPO's bound on the KL of the std's change per update (Song et al. 2019, as above: 5e-5) (positive, finite)"""
 
 
+def with_loss_defaults(args: Args) -> Args:
+    """The flags with the policy loss's own defaults where none was given (the run folder's flags say which)."""
+    if args.update_epochs is None:
+        return dataclasses.replace(args, update_epochs=1 if args.policy_loss in ("vpg", "vtrace") else 10)
+    return args
+
+
 def validate_args(args: Args):
     """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
     check_run_flags(args)
-    if args.update_epochs is None:  # the loss's default: resolved here, so the run folder's flags say which
-        args.update_epochs = 1 if args.policy_loss in ("vpg", "vtrace") else 10
     check_flags(
         args,
         positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
@@ -333,6 +340,52 @@ def compute_vtrace(
     return advantages, corrections + values
 
 
+def prepare_batch(agent_state: AgentState, storage: Rollout, *, agent: Agent, args: Args):
+    """A learner device's envs of the rollout as samples, inside `shard_map` over the mesh axis "batch": the running
+    statistics updated with the rollout of every learner device (the same on each), rewards scaled with them,
+    advantages and returns (once per update, before the epochs: SEED RL's default), the policy at the update's start,
+    then (time, envs) flattened. Returns (agent_state, Batch)."""
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
+    obs_rms = merge_running_stats(
+        agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
+    )
+    # envpool's reset steps are not steps of an episode: their (zero) returns do not count
+    return_rms = merge_running_stats(
+        agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
+    )
+    agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
+    start_action_mean, start_action_logstd, _ = agent.apply(agent_state.params.network, storage.obs)
+    start_action_logstd = jnp.broadcast_to(start_action_logstd, start_action_mean.shape)
+    estimator_inputs = dict(
+        rewards=scale_rewards(return_rms, storage.rewards),
+        values=storage.values,  # the actor's (one version behind), for both estimators
+        bootstrap_value=storage.bootstrap_value[0],
+        terminations=storage.terminations,
+        truncations=storage.truncations,
+        gamma=args.gamma,
+        gae_lambda=args.gae_lambda,
+    )
+    if args.advantage_estimator == "gae":
+        advantages, returns = compute_gae(**estimator_inputs)
+    else:
+        start_logprobs, _ = gaussian_logprob_entropy(start_action_mean, start_action_logstd, storage.actions)
+        rhos = jnp.exp(start_logprobs - storage.logprobs)
+        advantages, returns = compute_vtrace(
+            **estimator_inputs, rhos=rhos, rho_bar=args.vtrace_rho_bar, c_bar=args.vtrace_c_bar
+        )
+    fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
+    return agent_state, Batch(*map(flat, (*fields, start_action_mean, start_action_logstd)))
+
+
+def normalize_advantages(advantages, valid, axis_name: str):
+    """Advantages standardized with the mean and std of the valid samples of the whole minibatch, the parts of every
+    learner device summed over `axis_name`: the same update on any number of learner devices."""
+    count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
+    mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
+    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    return (advantages - mean) / (std + 1e-8)
+
+
 def ppo_loss_terms(
     *,
     new_logprobs,
@@ -433,6 +486,70 @@ def vmpo_loss_terms(
     return policy_loss, temperature_loss, kl_loss, alpha_loss
 
 
+# the loss and `onpolicy_loss`'s terms, as logged: kl_mean and kl_std say how far each loss moves the policy from the
+# update's start; the last three are V-MPO's only
+LOSS_METRICS = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+LOSS_METRICS += ["losses/kl_mean", "losses/kl_std"]
+LOSS_METRICS += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]
+
+
+def onpolicy_loss(params: Params, minibatch: Batch, *, agent: Agent, args: Args):
+    """A learner device's part of the loss of the global minibatch (each term a sum over its valid samples divided by
+    the whole minibatch's count), inside `shard_map` over the mesh axis "batch": --policy-loss's policy loss, and for
+    every loss PPO's value loss, entropy and approx-KL. Returns (loss, (policy_loss, ..., vmpo's losses))."""
+    action_mean, action_logstd, new_values = agent.apply(params.network, minibatch.obs)
+    new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
+    advantages, valid = minibatch.advantages, minibatch.valid
+    if args.norm_adv:
+        advantages = normalize_advantages(advantages, valid, "batch")
+    normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+    pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+        new_logprobs=new_logprobs,
+        entropy=entropy,
+        new_values=new_values,
+        old_logprobs=minibatch.logprobs,
+        old_values=minibatch.values,
+        advantages=advantages,
+        returns=minibatch.returns,
+        valid=valid,
+        normalizer=normalizer,
+        clip_coef=args.clip_coef,
+        clip_vloss=args.clip_vloss,
+    )  # the value loss, entropy and approx-KL of every policy loss; the policy loss of ppo
+    kl_mean, kl_std = gaussian_kl_of_mean_and_std(
+        start_mean=minibatch.start_action_mean,
+        start_logstd=minibatch.start_action_logstd,
+        mean=action_mean,
+        logstd=jnp.broadcast_to(action_logstd, action_mean.shape),
+    )
+    vmpo_metrics = ()
+    if args.policy_loss in ("vpg", "vtrace", "awr"):
+        weights = policy_gradient_weights(
+            policy_loss=args.policy_loss,
+            advantages=advantages,
+            logratio=new_logprobs - minibatch.logprobs,
+            rho_bar=args.vtrace_rho_bar,
+            awr_beta=args.awr_beta,
+            awr_max_weight=args.awr_max_weight,
+        )
+        pg_loss = -(jax.lax.stop_gradient(weights) * new_logprobs * valid).sum() / normalizer
+    elif args.policy_loss == "vmpo":
+        pg_loss, *vmpo_metrics = vmpo_loss_terms(
+            new_logprobs=new_logprobs,
+            kl_mean=kl_mean,
+            kl_std=kl_std,
+            advantages=advantages,
+            valid=valid,
+            normalizer=normalizer,
+            multipliers=params.multipliers,
+            bounds=(args.vmpo_eps_eta, args.vmpo_eps_alpha_mean, args.vmpo_eps_alpha_std),
+            axis_name="batch",
+        )
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef + sum(vmpo_metrics)
+    kl_mean, kl_std = ((x * valid).sum() / normalizer for x in (kl_mean, kl_std))
+    return loss, (pg_loss, v_loss, entropy_loss, approx_kl, kl_mean, kl_std, *vmpo_metrics)
+
+
 # ---------------------------------------------------------------- actor
 
 
@@ -468,9 +585,9 @@ def actor_params(agent_state: AgentState):
     return agent_state.params.network, agent_state.obs_rms
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
-    ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
+    `key`, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
@@ -513,20 +630,9 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
                     discounted_return *= ~previous_episode_end
             with timer("inference_time"):
                 bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
-        storage = Rollout(
-            obs,
-            raw_obs,
-            actions,
-            logprobs,
-            values,
-            rewards,
-            discounted_returns,
-            terminations,
-            truncations,
-            valid,
-            bootstrap_value,
-        )
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        fields = obs, raw_obs, actions, logprobs, values, rewards, discounted_returns, terminations, truncations
+        storage = Rollout(*fields, valid, bootstrap_value)
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -541,109 +647,18 @@ class LearnerState(NamedTuple):
     key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
 
 
-def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
+def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
     are a Python loop over one compiled minibatch step, the on-policy scripts' one driver: on an H100 it was as fast
-    as one `lax.scan` program per update (README: the learner loop)."""
+    as one `lax.scan` program per update (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
     batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
     minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
-    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
-    names += ["losses/kl_mean", "losses/kl_std"]  # how far each loss moves the policy from the update's start
-    names += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]  # vmpo's only
-
-    def prepare_batch(agent_state: AgentState, storage: Rollout) -> tuple[AgentState, Batch]:
-        """Per device: the running statistics updated with the rollout of all devices (the same on every device),
-        rewards scaled with them (as gym's NormalizeReward), advantages and returns (once per update, before the
-        epochs: SEED RL's default), the policy at the update's start, then flatten (T, envs)."""
-        flat = lambda x: x.reshape((-1, *x.shape[2:]))
-        obs_rms = merge_running_stats(
-            agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
-        )
-        # envpool's reset steps are not steps of an episode: their (zero) returns do not count
-        return_rms = merge_running_stats(
-            agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
-        )
-        agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
-        start_action_mean, start_action_logstd, _ = agent.apply(agent_state.params.network, storage.obs)
-        start_action_logstd = jnp.broadcast_to(start_action_logstd, start_action_mean.shape)
-        estimator_inputs = dict(
-            rewards=scale_rewards(return_rms, storage.rewards),
-            values=storage.values,  # the actor's (one version behind), for both estimators
-            bootstrap_value=storage.bootstrap_value[0],
-            terminations=storage.terminations,
-            truncations=storage.truncations,
-            gamma=args.gamma,
-            gae_lambda=args.gae_lambda,
-        )
-        if args.advantage_estimator == "gae":
-            advantages, returns = compute_gae(**estimator_inputs)
-        else:
-            start_logprobs, _ = gaussian_logprob_entropy(start_action_mean, start_action_logstd, storage.actions)
-            rhos = jnp.exp(start_logprobs - storage.logprobs)
-            advantages, returns = compute_vtrace(
-                **estimator_inputs, rhos=rhos, rho_bar=args.vtrace_rho_bar, c_bar=args.vtrace_c_bar
-            )
-        fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
-        return agent_state, Batch(*map(flat, (*fields, start_action_mean, start_action_logstd)))
-
-    def loss_fn(params: Params, minibatch: Batch):
-        action_mean, action_logstd, new_values = agent.apply(params.network, minibatch.obs)
-        new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
-        advantages, valid = minibatch.advantages, minibatch.valid
-        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
-        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
-        if args.norm_adv:  # with the whole minibatch's mean and std: the same update on any number of devices
-            mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), "batch") / normalizer
-            std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), "batch") / normalizer)
-            advantages = (advantages - mean) / (std + 1e-8)
-        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
-            new_logprobs=new_logprobs,
-            entropy=entropy,
-            new_values=new_values,
-            old_logprobs=minibatch.logprobs,
-            old_values=minibatch.values,
-            advantages=advantages,
-            returns=minibatch.returns,
-            valid=valid,
-            normalizer=normalizer,
-            clip_coef=args.clip_coef,
-            clip_vloss=args.clip_vloss,
-        )  # the value loss, entropy and approx-KL of every policy loss; the policy loss of ppo
-        kl_mean, kl_std = gaussian_kl_of_mean_and_std(
-            start_mean=minibatch.start_action_mean,
-            start_logstd=minibatch.start_action_logstd,
-            mean=action_mean,
-            logstd=jnp.broadcast_to(action_logstd, action_mean.shape),
-        )
-        vmpo_metrics = ()
-        if args.policy_loss in ("vpg", "vtrace", "awr"):
-            weights = policy_gradient_weights(
-                policy_loss=args.policy_loss,
-                advantages=advantages,
-                logratio=new_logprobs - minibatch.logprobs,
-                rho_bar=args.vtrace_rho_bar,
-                awr_beta=args.awr_beta,
-                awr_max_weight=args.awr_max_weight,
-            )
-            pg_loss = -(jax.lax.stop_gradient(weights) * new_logprobs * valid).sum() / normalizer
-        elif args.policy_loss == "vmpo":
-            pg_loss, *vmpo_metrics = vmpo_loss_terms(
-                new_logprobs=new_logprobs,
-                kl_mean=kl_mean,
-                kl_std=kl_std,
-                advantages=advantages,
-                valid=valid,
-                normalizer=normalizer,
-                multipliers=params.multipliers,
-                bounds=(args.vmpo_eps_eta, args.vmpo_eps_alpha_mean, args.vmpo_eps_alpha_std),
-                axis_name="batch",
-            )
-        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef + sum(vmpo_metrics)
-        kl_mean, kl_std = ((x * valid).sum() / normalizer for x in (kl_mean, kl_std))
-        return loss, (pg_loss, v_loss, entropy_loss, approx_kl, kl_mean, kl_std, *vmpo_metrics)
+    names = LOSS_METRICS
+    loss_fn = partial(onpolicy_loss, agent=agent, args=args)
 
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -664,29 +679,19 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
     # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis checks reject
     # (as in the IMPALA script); nothing here is differentiated
-    prepare_batch = jax.jit(
-        jax.shard_map(
-            prepare_batch,
-            mesh=mesh,
-            in_specs=(replicated, rollout_specs),
-            out_specs=(replicated, batch_specs),
-            check_vma=False,
-        )
+    batch_of = partial(prepare_batch, agent=agent, args=args)
+    batch_of = shard_map(
+        batch_of, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs), check_vma=False
     )
-    minibatch_update = jax.jit(
-        jax.shard_map(
-            minibatch_update,
-            mesh=mesh,
-            out_specs=(replicated, replicated),
-            in_specs=(replicated, batch_specs, sharded_steps, replicated),
-        ),
-        donate_argnums=(0,),
-    )
-    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
+    batch_of = jax.jit(batch_of)
+    minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
+    minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
+    minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
+    shuffle = jax.jit(shard_map(shuffle, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:
         agent_state, key = state
-        agent_state, batch = prepare_batch(agent_state, storage)
+        agent_state, batch = batch_of(agent_state, storage)
         metrics = []
         for _ in range(args.update_epochs):
             key, shuffle_key = jax.random.split(key)
@@ -707,8 +712,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_update`, `LearnerState`, `with_loss_defaults`,
+# `validate_args` and `check_runtime_values` from this script)
 
 
 def saved_model(state: LearnerState) -> dict:
@@ -745,8 +750,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 # ---------------------------------------------------------------- main: the Sebulba protocol
 
 
-def set_runtime_values(args: Args, layout: DeviceLayout):
-    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+def check_runtime_values(args: Args, layout: DeviceLayout):
+    """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
     check_int32_counts(
         args,
         {
@@ -767,32 +772,36 @@ def state_summary(state: LearnerState) -> str:
 
 
 def main(args: Args) -> int:
+    args = with_loss_defaults(args)
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
-    learner_update = make_learner_fns(args, agent, run.mesh)
-    state = run.restore(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    learner_update = make_learner_update(args, agent, run.mesh)
+    # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
-            state, metrics = run.learn(update, learner_update, state, storage)  # NaN or inf: stops, checkpointed
-            if update < args.num_updates:
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
+            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state, storage)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

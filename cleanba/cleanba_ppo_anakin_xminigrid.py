@@ -1,22 +1,23 @@
 """Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) for XLand-MiniGrid's JAX-native MiniGrid envs.
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses:
-the same functions as the Sebulba PPO script's), the rollout, the learner update, the evaluation policy, and `main`:
-the Anakin loop itself. What is the same for every algorithm (checkpoints, preemption, device layout, logging) is
-imported from cleanrl_utils/, one small module each.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses: the
+same functions as the Sebulba PPO script's), the rollout, the learner update, the evaluation policy, and `main`: the
+Anakin loop itself. What is the same for every algorithm (checkpoints, preemption, device layout, logging) comes from
+cleanrl_utils/, one small module each.
 
 System in one paragraph: the envs are written in JAX (xminigrid), so acting, stepping the envs and learning are one
 compiled program. On each learner device, a `vmap` over its `--local-num-envs` envs of the policy and the env step is
 scanned for `--num-steps`; then GAE, and PPO's epochs and minibatches, all inside one `jax.jit` of a `shard_map` over
 the learner devices of every process (the Sebulba scripts' 1-D mesh "batch"), gradients summed with `psum`, so
 `--distributed` (jax.distributed) scales it across hosts. The envs' state is part of the learner state, sharded along
-the env axis: a checkpoint holds it, and a resumed run continues bit for bit. The actor is the learner's current
-policy (lag 0): no threads, no queues, no host-device copies of observations.
+the env axis: a checkpoint holds it, and a resumed run continues bit for bit. The actor is the learner's current policy
+(lag 0): no threads, no queues, no host-device copies of observations.
 """
 
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, ensure_host_devices, local_value, replicate
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.run import AnakinRun
@@ -62,7 +63,7 @@ class Args(AnakinArgs):  # the run's and Anakin's flags (cleanrl_utils/flags.py)
     update_epochs: int = 4
     """the K epochs to update the policy (PPO paper Table 5 uses 3; CleanRL and Cleanba use 4) (positive)"""
     norm_adv: bool = True
-    """toggles advantages normalization (per minibatch)"""
+    """toggles advantages normalization (with the mean and std of the whole minibatch, over every learner device)"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient (PPO paper, Table 5: 0.1 x alpha) (positive, finite)"""
     clip_vloss: bool = True
@@ -88,11 +89,6 @@ def validate_args(args: Args):
         unit_interval=["gamma", "gae_lambda"],
         positive_int_lists=["hiddens"],
     )
-    # importing xminigrid starts JAX's backend (its constants are arrays): the host devices the ids need come first;
-    # with --distributed it must wait for jax.distributed, and make_xminigrid checks the id in every process
-    ensure_host_devices(args.learner_device_ids)
-    if not args.distributed:
-        check_env_id(args.env_id)
     if (args.num_steps * args.local_num_envs) % args.num_minibatches != 0:
         raise UsageError(
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
@@ -271,6 +267,31 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
     return advantages, advantages + values
 
 
+def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch:
+    """A learner device's envs of the rollout as samples: advantages and returns, then (time, envs) flattened."""
+    advantages, returns = compute_gae(
+        rewards=storage.rewards,
+        values=storage.values,
+        bootstrap_value=storage.bootstrap_value[0],
+        terminations=storage.terminations,
+        truncations=storage.truncations,
+        gamma=gamma,
+        gae_lambda=gae_lambda,
+    )
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
+    fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
+    return Batch(*map(flat, fields))
+
+
+def normalize_advantages(advantages, valid, axis_name: str):
+    """Advantages standardized with the mean and std of the valid samples of the whole minibatch, the parts of every
+    learner device summed over `axis_name`: the same update on any number of learner devices."""
+    count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
+    mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
+    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    return (advantages - mean) / (std + 1e-8)
+
+
 def ppo_loss_terms(
     *,
     new_logprobs,
@@ -308,6 +329,33 @@ def categorical_logprob_entropy(logits, actions):
     logprob = jnp.take_along_axis(log_probs, actions[..., None], axis=-1).squeeze(-1)
     entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
     return logprob, entropy
+
+
+def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
+    """A learner device's part of the PPO loss of the global minibatch (each term a sum over its valid samples divided
+    by the whole minibatch's count: the parts add up to the loss); inside `shard_map` over the mesh axis "batch".
+    Returns (loss, (policy_loss, value_loss, entropy, approx_kl))."""
+    logits, new_values = agent.apply(params, minibatch.obs)
+    new_logprobs, entropy = categorical_logprob_entropy(logits, minibatch.actions)
+    advantages, valid = minibatch.advantages, minibatch.valid
+    if args.norm_adv:
+        advantages = normalize_advantages(advantages, valid, "batch")
+    normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+    pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+        new_logprobs=new_logprobs,
+        entropy=entropy,
+        new_values=new_values,
+        old_logprobs=minibatch.logprobs,
+        old_values=minibatch.values,
+        advantages=advantages,
+        returns=minibatch.returns,
+        valid=valid,
+        normalizer=normalizer,
+        clip_coef=args.clip_coef,
+        clip_vloss=args.clip_vloss,
+    )
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
 
 
 # ---------------------------------------------------------------- actor: the envs, stepped on the learner devices
@@ -401,59 +449,15 @@ class LearnerState(NamedTuple):
     envs: EnvState  # the envs, sharded along the env axis over the learner devices
 
 
-def make_learner_fns(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> Callable:
+def make_learner_update(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> Callable:
     """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
     advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`."""
     replicated, sharded_envs = P(), P("batch")
     state_specs = LearnerState(replicated, replicated, sharded_envs)
     minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
-
-    def prepare_batch(storage: Rollout) -> Batch:
-        """Advantages and returns, then flatten (T, envs) into samples."""
-        advantages, returns = compute_gae(
-            rewards=storage.rewards,
-            values=storage.values,
-            bootstrap_value=storage.bootstrap_value[0],
-            terminations=storage.terminations,
-            truncations=storage.truncations,
-            gamma=args.gamma,
-            gae_lambda=args.gae_lambda,
-        )
-        flat = lambda x: x.reshape((-1, *x.shape[2:]))
-        return Batch(
-            *map(
-                flat,
-                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
-            )
-        )
-
-    def loss_fn(params, minibatch: Batch):
-        logits, new_values = agent.apply(params, minibatch.obs)
-        new_logprobs, entropy = categorical_logprob_entropy(logits, minibatch.actions)
-        advantages, valid = minibatch.advantages, minibatch.valid
-        if args.norm_adv:
-            count = jnp.maximum(valid.sum(), 1)
-            mean = jnp.where(valid, advantages, 0).sum() / count
-            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
-            advantages = (advantages - mean) / (std + 1e-8)
-        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
-        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
-        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
-            new_logprobs=new_logprobs,
-            entropy=entropy,
-            new_values=new_values,
-            old_logprobs=minibatch.logprobs,
-            old_values=minibatch.values,
-            advantages=advantages,
-            returns=minibatch.returns,
-            valid=valid,
-            normalizer=normalizer,
-            clip_coef=args.clip_coef,
-            clip_vloss=args.clip_vloss,
-        )
-        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+    loss_fn = partial(ppo_loss, agent=agent, args=args)
+    batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
 
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -489,7 +493,7 @@ def make_learner_fns(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> C
         envs, storage = rollout(
             agent=agent, env=env, env_params=env_params, params=agent_state.params, envs=envs, num_steps=args.num_steps
         )
-        agent_state, key, metrics = learn(prepare_batch(storage), agent_state, key)
+        agent_state, key, metrics = learn(batch_of(storage), agent_state, key)
         metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
         return LearnerState(agent_state, key, envs), metrics
@@ -499,16 +503,13 @@ def make_learner_fns(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> C
     update = jax.shard_map(
         update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
     )
-    return jax.jit(
-        update,
-        donate_argnums=(0,),
-    )
+    return jax.jit(update, donate_argnums=(0,))
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_xminigrid`, `reset_envs`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# `make_xminigrid`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
+# `check_runtime_values` from this script)
 
 
 def saved_model(state: LearnerState) -> dict:
@@ -539,8 +540,11 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 # ---------------------------------------------------------------- main: the Anakin loop
 
 
-def set_runtime_values(args: Args, layout: DeviceLayout):
-    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+def check_runtime_values(args: Args, layout: DeviceLayout):
+    """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags), and of --env-id:
+    importing xminigrid starts JAX's backend (its constants are arrays), so its ids are checked once the devices and
+    jax.distributed have started, in every process."""
+    check_env_id(args.env_id)
     check_int32_counts(
         args,
         {
@@ -559,22 +563,24 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = AnakinRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
+    run = AnakinRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
     # every key is the same in every process: each env's keys are its own slice of envs_key's split
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     env, env_params = make_xminigrid(args.env_id)
     num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
     envs = reset_envs(env, env_params, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
-    learner_update = make_learner_fns(args, agent, env, env_params, run.mesh)
+    learner_update = make_learner_update(args, agent, env, env_params, run.mesh)
     # replicated over the mesh as the update returns them: the second update does not compile anew
     state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
-    state = run.restore(state, state_summary)
+    state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
 
     # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
     with run.supervise():  # SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            state, metrics = run.learn(update, learner_update, state)  # NaN or inf: stops, checkpointed
+            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
             # log (with this process's envs' episodes); checkpoint every --checkpoint-frequency
             run.end_update(update, state, metrics, episode_stats(state.envs))
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code

@@ -1,19 +1,17 @@
 """Sebulba PPO (Hessel et al. 2021, "Podracer architectures") for envpool's discrete-action envs (Atari, classic
 control, Football, VizDoom, MiniGrid, Procgen).
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation,
-losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
-every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
-cleanrl_utils/, one small module each.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses), the
+actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for every algorithm
+(checkpoints, preemption, device layout, logging, stop-aware queues) comes from cleanrl_utils/, one small module each.
 
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their own envpool and run
+jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
+`rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
+learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
+rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
+overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
+mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 """
 
 import os
@@ -42,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
@@ -80,7 +79,7 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     update_epochs: int = 4
     """the K epochs to update the policy (PPO paper Table 5 uses 3; CleanRL and Cleanba use 4) (positive)"""
     norm_adv: bool = True
-    """toggles advantages normalization (per minibatch)"""
+    """toggles advantages normalization (with the mean and std of the whole minibatch, over every learner device)"""
     clip_coef: float = 0.1
     """the surrogate clipping coefficient (PPO paper, Table 5: 0.1 x alpha) (positive, finite)"""
     clip_vloss: bool = True
@@ -297,6 +296,31 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
     return advantages, advantages + values
 
 
+def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch:
+    """A learner device's envs of the rollout as samples: advantages and returns, then (time, envs) flattened."""
+    advantages, returns = compute_gae(
+        rewards=storage.rewards,
+        values=storage.values,
+        bootstrap_value=storage.bootstrap_value[0],
+        terminations=storage.terminations,
+        truncations=storage.truncations,
+        gamma=gamma,
+        gae_lambda=gae_lambda,
+    )
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
+    fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
+    return Batch(*map(flat, fields))
+
+
+def normalize_advantages(advantages, valid, axis_name: str):
+    """Advantages standardized with the mean and std of the valid samples of the whole minibatch, the parts of every
+    learner device summed over `axis_name`: the same update on any number of learner devices."""
+    count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
+    mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
+    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    return (advantages - mean) / (std + 1e-8)
+
+
 def ppo_loss_terms(
     *,
     new_logprobs,
@@ -336,6 +360,33 @@ def categorical_logprob_entropy(logits, actions):
     return logprob, entropy
 
 
+def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
+    """A learner device's part of the PPO loss of the global minibatch (each term a sum over its valid samples divided
+    by the whole minibatch's count: the parts add up to the loss); inside `shard_map` over the mesh axis "batch".
+    Returns (loss, (policy_loss, value_loss, entropy, approx_kl))."""
+    logits, new_values = agent.apply(params, minibatch.obs)
+    new_logprobs, entropy = categorical_logprob_entropy(logits, minibatch.actions)
+    advantages, valid = minibatch.advantages, minibatch.valid
+    if args.norm_adv:
+        advantages = normalize_advantages(advantages, valid, "batch")
+    normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+    pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+        new_logprobs=new_logprobs,
+        entropy=entropy,
+        new_values=new_values,
+        old_logprobs=minibatch.logprobs,
+        old_values=minibatch.values,
+        advantages=advantages,
+        returns=minibatch.returns,
+        valid=valid,
+        normalizer=normalizer,
+        clip_coef=args.clip_coef,
+        clip_vloss=args.clip_vloss,
+    )
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+
 # ---------------------------------------------------------------- actor
 
 
@@ -368,9 +419,9 @@ def actor_params(agent_state: TrainState):
     return agent_state.params
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
-    ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
+    `key`, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
@@ -406,7 +457,7 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
             with timer("inference_time"):
                 bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
         storage = Rollout(obs, actions, logprobs, values, rewards, terminations, truncations, valid, bootstrap_value)
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -421,62 +472,18 @@ class LearnerState(NamedTuple):
     key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
 
 
-def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
+def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
     are a Python loop over one compiled minibatch step: on CPU, XLA compiles a conv weight-gradient inside `lax.scan`
-    into a very slow loop, and on an H100 the loop was as fast as one scanned program (docs: the GPU measurements)."""
+    into a very slow loop, and on an H100 the loop was as fast as one scanned program (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
+    shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
     batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
     minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
-
-    def prepare_batch(storage: Rollout) -> Batch:
-        """Per device: advantages and returns, then flatten (T, envs) into samples."""
-        advantages, returns = compute_gae(
-            rewards=storage.rewards,
-            values=storage.values,
-            bootstrap_value=storage.bootstrap_value[0],
-            terminations=storage.terminations,
-            truncations=storage.truncations,
-            gamma=args.gamma,
-            gae_lambda=args.gae_lambda,
-        )
-        flat = lambda x: x.reshape((-1, *x.shape[2:]))
-        return Batch(
-            *map(
-                flat,
-                (storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid),
-            )
-        )
-
-    def loss_fn(params, minibatch: Batch):
-        logits, new_values = agent.apply(params, minibatch.obs)
-        new_logprobs, entropy = categorical_logprob_entropy(logits, minibatch.actions)
-        advantages, valid = minibatch.advantages, minibatch.valid
-        if args.norm_adv:
-            count = jnp.maximum(valid.sum(), 1)
-            mean = jnp.where(valid, advantages, 0).sum() / count
-            std = jnp.sqrt(jnp.where(valid, (advantages - mean) ** 2, 0).sum() / count)
-            advantages = (advantages - mean) / (std + 1e-8)
-        # normalize by the valid samples of the whole (global) minibatch, then sum gradients: the exact global mean
-        normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
-        pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
-            new_logprobs=new_logprobs,
-            entropy=entropy,
-            new_values=new_values,
-            old_logprobs=minibatch.logprobs,
-            old_values=minibatch.values,
-            advantages=advantages,
-            returns=minibatch.returns,
-            valid=valid,
-            normalizer=normalizer,
-            clip_coef=args.clip_coef,
-            clip_vloss=args.clip_vloss,
-        )
-        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-        return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+    loss_fn = partial(ppo_loss, agent=agent, args=args)
 
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -494,21 +501,16 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
 
-    prepare_batch = jax.jit(jax.shard_map(prepare_batch, mesh=mesh, in_specs=(rollout_specs,), out_specs=batch_specs))
-    minibatch_update = jax.jit(
-        jax.shard_map(
-            minibatch_update,
-            mesh=mesh,
-            out_specs=(replicated, replicated),
-            in_specs=(replicated, batch_specs, sharded_steps, replicated),
-        ),
-        donate_argnums=(0,),
-    )
-    shuffle = jax.jit(jax.shard_map(shuffle, mesh=mesh, in_specs=(replicated,), out_specs=sharded_steps))
+    batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
+    batch_of = jax.jit(shard_map(batch_of, in_specs=(rollout_specs,), out_specs=batch_specs))
+    minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
+    minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
+    minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
+    shuffle = jax.jit(shard_map(shuffle, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:
         agent_state, key = state
-        batch = prepare_batch(storage)
+        batch = batch_of(storage)
         metrics = []
         for _ in range(args.update_epochs):
             key, shuffle_key = jax.random.split(key)
@@ -527,8 +529,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_update`, `LearnerState`, `validate_args` and
+# `check_runtime_values` from this script)
 
 
 def saved_model(state: LearnerState) -> dict:
@@ -559,8 +561,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 # ---------------------------------------------------------------- main: the Sebulba protocol
 
 
-def set_runtime_values(args: Args, layout: DeviceLayout):
-    """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
+def check_runtime_values(args: Args, layout: DeviceLayout):
+    """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
     check_int32_counts(
         args,
         {
@@ -579,31 +581,34 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
-    learner_update = make_learner_fns(args, agent, run.mesh)
-    state = run.restore(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    learner_update = make_learner_update(args, agent, run.mesh)
+    # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
-            state, metrics = run.learn(update, learner_update, state, storage)  # NaN or inf: stops, checkpointed
-            if update < args.num_updates:
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
+            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state, storage)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

@@ -2,19 +2,18 @@
 envpool's discrete-action envs (Atari, classic control, Football, VizDoom, MiniGrid, Procgen), with the prioritized
 sequence replay on the learner devices, sharded along the env axis.
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (value rescaling, n-step double
-Q targets, priorities, burn-in), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What
-is the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (value rescaling, n-step double Q
+targets, priorities, burn-in), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is
+the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) comes from
 cleanrl_utils/, one small module each.
 
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their own envpool and run
+jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
+`rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
+learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
+rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
+overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
+mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 
 Recurrent and off-policy: a torso (IMPALA CNN or MLP), an LSTM core and a dueling Q head. Each actor carries the
 recurrent state of each of its envs (zeroed at episode starts) and acts epsilon-greedily with the Ape-X epsilons over
@@ -55,12 +54,14 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, check_replay_fits, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import RecurrentPolicy
 from cleanrl_utils.flags import INT32_MAX, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -471,9 +472,9 @@ def next_rows(rows: Rollout, num_steps: int, period: int) -> Rollout:
     return Rollout(*(carry(x, period, num_steps) for x in rows[:7]), *states)
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`
-    and each env's recurrent state, ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
+    `key` and each env's recurrent state, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, period = args.local_num_envs, args.num_steps, args.sequence_length // 2
@@ -512,7 +513,7 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
                     previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
         # the last sequence start is the next rollout's first: it is not shipped
         storage = rows._replace(start_cells=rows.start_cells[:-1], start_hiddens=rows.start_hiddens[:-1])
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -524,8 +525,8 @@ class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
     agent: AgentState  # online params, Adam state and target params, replicated over the learner devices
-    replay: flashbax.buffers.prioritised_trajectory_buffer.PrioritisedTrajectoryBufferState  # one shard per device
     key: jax.Array  # the learner's PRNG key (minibatch samples), the same in every process
+    replay: flashbax.buffers.prioritised_trajectory_buffer.PrioritisedTrajectoryBufferState  # one shard per device
 
 
 class Minibatch(NamedTuple):
@@ -540,6 +541,44 @@ class LearnerFns(NamedTuple):
     init_replay: Callable  # () -> the empty replay, sharded along the env axis over the mesh
     update: Callable  # (state: LearnerState, rollout, train) -> (state, metrics)
     gradient_step: Callable  # (agent_state, minibatch) -> (agent_state, metrics, priorities): on a global minibatch
+
+
+def r2d2_gradient_step(agent_state: AgentState, minibatch: Minibatch, *, agent: Agent, args: Args):
+    """One R2D2 step on a learner device's part of the global minibatch, inside `shard_map` over the mesh axis
+    "batch": the importance-weighted loss, gradients summed over the devices, Adam, the periodic target copy.
+    Returns (agent_state, metrics, the new priorities of this device's sequences)."""
+    sequences = minibatch.sequences._replace(  # time-major, as the network unrolls
+        **{name: jnp.swapaxes(getattr(minibatch.sequences, name), 0, 1) for name in Rollout._fields[:7]}
+    )
+    # flashbax's float32 sum tree can land on an empty slot (probability 0): such a sample is not learned
+    sampled = minibatch.scaled_probabilities > 0
+    probabilities = jnp.where(sampled, minibatch.scaled_probabilities, 1.0)
+    weights = jnp.where(sampled, importance_weights(probabilities, args.importance_exponent), 0.0)
+    weights = weights / jax.lax.pmax(weights.max(), "batch")  # the largest weight of the global minibatch is 1
+    # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+    # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+    local_params = jax.lax.pcast(agent_state.online.params, "batch", to="varying")
+    # the loss of this device's sequences over the global minibatch size: their psum is the minibatch's loss
+    settings = dict(normalizer=float(args.minibatch_size), burn_in=args.burn_in, gamma=args.gamma, n_step=args.n_step)
+    loss_fn = partial(r2d2_loss, agent=agent, **settings)
+    (loss, (abs_td, mask, taken_q)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        local_params, target_params=agent_state.target_params, sequences=sequences, weights=weights
+    )
+    priorities = jnp.where(sampled, sequence_priorities(abs_td, mask, args.priority_eta), 0.0)
+    count = jnp.maximum(jax.lax.psum(mask.sum(), "batch"), 1)
+    metrics = {
+        "losses/td_loss": loss,
+        "losses/q_values": jnp.where(mask, taken_q, 0.0).sum() / count,
+        "losses/abs_td": jnp.where(mask, abs_td, 0.0).sum() / count,
+        "losses/priority": priorities.sum() / args.minibatch_size,
+        "losses/importance_weight": weights.sum() / args.minibatch_size,
+    }
+    grads, metrics = jax.lax.psum((grads, metrics), "batch")
+    online = agent_state.online.apply_gradients(grads=grads)
+    target_params = optax.periodic_update(
+        online.params, agent_state.target_params, online.step, args.target_update_period
+    )
+    return agent_state.replace(online=online, target_params=target_params), metrics, priorities
 
 
 def replay_capacity(args: Args, num_learner_devices: int) -> int:
@@ -589,45 +628,10 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     # check_vma=False: flashbax's sum tree mixes per-device and replicated values in its loops, which shard_map's
     # type check refuses; the psums below are explicit (no implicit sum of the gradients either way)
     shard_map = partial(jax.shard_map, mesh=mesh, check_vma=False)
-    # the loss of this device's sequences over the global minibatch size: their psum is the minibatch's loss
-    settings = dict(normalizer=float(args.minibatch_size), burn_in=args.burn_in, gamma=args.gamma, n_step=args.n_step)
-    loss_fn = partial(r2d2_loss, agent=agent, **settings)
+    local_gradient_step = partial(r2d2_gradient_step, agent=agent, args=args)
 
     def init_replay():
         return jax.jit(jax.shard_map(lambda: local_buffer.init(item), mesh=mesh, in_specs=(), out_specs=replay_specs))()
-
-    def local_gradient_step(agent_state: AgentState, minibatch: Minibatch):
-        """One R2D2 step: the importance-weighted loss on the sampled sequences, Adam, the periodic target copy.
-        Returns the new priorities of this device's sequences too."""
-        sequences = minibatch.sequences._replace(  # time-major, as the network unrolls
-            **{name: jnp.swapaxes(getattr(minibatch.sequences, name), 0, 1) for name in Rollout._fields[:7]}
-        )
-        # flashbax's float32 sum tree can land on an empty slot (probability 0): such a sample is not learned
-        sampled = minibatch.scaled_probabilities > 0
-        probabilities = jnp.where(sampled, minibatch.scaled_probabilities, 1.0)
-        weights = jnp.where(sampled, importance_weights(probabilities, args.importance_exponent), 0.0)
-        weights = weights / jax.lax.pmax(weights.max(), "batch")  # the largest weight of the global minibatch is 1
-        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
-        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
-        local_params = jax.lax.pcast(agent_state.online.params, "batch", to="varying")
-        (loss, (abs_td, mask, taken_q)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            local_params, target_params=agent_state.target_params, sequences=sequences, weights=weights
-        )
-        priorities = jnp.where(sampled, sequence_priorities(abs_td, mask, args.priority_eta), 0.0)
-        count = jnp.maximum(jax.lax.psum(mask.sum(), "batch"), 1)
-        metrics = {
-            "losses/td_loss": loss,
-            "losses/q_values": jnp.where(mask, taken_q, 0.0).sum() / count,
-            "losses/abs_td": jnp.where(mask, abs_td, 0.0).sum() / count,
-            "losses/priority": priorities.sum() / args.minibatch_size,
-            "losses/importance_weight": weights.sum() / args.minibatch_size,
-        }
-        grads, metrics = jax.lax.psum((grads, metrics), "batch")
-        online = agent_state.online.apply_gradients(grads=grads)
-        target_params = optax.periodic_update(
-            online.params, agent_state.target_params, online.step, args.target_update_period
-        )
-        return agent_state.replace(online=online, target_params=target_params), metrics, priorities
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
         """Per device: append the sequences of its envs to its replay shard, then --replay-ratio x batch gradient
@@ -661,11 +665,11 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         )(agent_state, replay, storage, key)
 
     def update(state: LearnerState, storage: Rollout, train: bool) -> tuple[LearnerState, dict]:
-        agent_state, replay, key = state
+        agent_state, key, replay = state
         key, update_key = jax.random.split(key)
         agent_state, replay, metrics = update_step(agent_state, replay, storage, update_key, train=train)
         metrics["stats/gradient_steps"] = args.gradient_steps * train
-        return LearnerState(agent_state, replay, key), metrics
+        return LearnerState(agent_state, key, replay), metrics
 
     gradient_step = shard_map(
         local_gradient_step, in_specs=(replicated, minibatch_specs), out_specs=(replicated, replicated, sharded_samples)
@@ -675,7 +679,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
 # `set_runtime_values` from this script)
 
 # the evaluation's epsilon without --eval-greedy (a choice: small, so that the agent cannot loop forever)
@@ -717,21 +721,11 @@ def make_eval_policy(args: Args, model: dict, greedy: bool) -> RecurrentPolicy:
 
 def set_runtime_values(args: Args, layout: DeviceLayout):
     """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
-    gradient_steps = args.replay_ratio * args.batch_size
-    if round(gradient_steps) < 1 or abs(gradient_steps - round(gradient_steps)) > 1e-6:
-        raise UsageError(
-            f"--replay-ratio ({args.replay_ratio}) x env steps per update ({args.batch_size}) must be a "
-            "positive whole number of gradient steps"
-        )
-    args.gradient_steps = round(gradient_steps)
+    args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's sequences are in the replay before its gradient steps sample it
     args.learning_starts_updates = args.learning_starts // args.batch_size
     global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
-    if args.minibatch_size % num_learner_devices != 0:
-        raise UsageError(
-            f"--minibatch-size ({args.minibatch_size}) must be divisible by the number of learner devices "
-            f"of all processes ({num_learner_devices}): each samples its share"
-        )
+    check_minibatch_split(args.minibatch_size, num_learner_devices)
     new_sequences = global_envs * args.num_steps // (args.sequence_length // 2) // num_learner_devices
     needed = max(new_sequences, args.minibatch_size // num_learner_devices)
     if replay_capacity(args, num_learner_devices) < needed:
@@ -763,36 +757,38 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
-    # a resumed run needs no repair of its replay: the actors' first sequences start with invalid rows
-    state = run.restore(
-        LearnerState(replicate(agent_state, run.mesh), learner.init_replay(), learner_key), state_summary
+    # the newest checkpoint of the run (its replay needs no repair: the actors' first sequences start with invalid
+    # rows), or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(
+        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
     )
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # the replay is still filling up
-            # NaN or inf: stops, checkpointed with the replay as it is now (env data, finite: it holds this rollout)
-            state, metrics = run.learn(update, learner.update, state, storage, train)
-            if update < args.num_updates:
+            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            state, metrics = learner.update(state, storage, train)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

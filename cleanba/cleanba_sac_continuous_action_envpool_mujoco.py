@@ -1,19 +1,18 @@
 """Sebulba SAC (Haarnoja et al. 2018, "Soft actor-critic algorithms and applications") for envpool continuous control,
 with the replay buffer on the learner devices, sharded along the env axis.
 
-One file, read top to bottom: `Args`, the env factory, the networks, the pure math (squashed Gaussian, soft
-Bellman target, losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is
-the same for every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) is imported from
-cleanrl_utils/, one small module each.
+One file, read top to bottom: `Args`, the env factory, the networks, the pure math (squashed Gaussian, soft Bellman
+target, losses), the actor thread, the learner update, and `main`: the Sebulba protocol itself. What is the same for
+every algorithm (checkpoints, preemption, device layout, logging, stop-aware queues) comes from cleanrl_utils/, one
+small module each.
 
-System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their
-own envpool and run jitted inference on their actor device. Each thread hands its rollout to the
-learner through its own size-1 `rollout_queue`, already split along the env axis and placed on the
-learner devices; the learner answers through a size-1 `params_queue` per thread. Because the actor
-skips one `params_queue.get()` (its second rollout), it always acts with the policy one version
-behind the learner (`--no-concurrency` removes the skip: lag 0, no overlap). The learner is
-data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D mesh,
-gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+System in one paragraph: `--num-actor-threads` threads on each of `--actor-device-ids` step their own envpool and run
+jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
+`rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
+learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
+rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
+overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
+mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
 
 Off-policy: the replay buffer (flashbax's flat buffer) lives in learner-device memory, sharded along the env
 axis: each learner device appends the rollout of its share of the envs to its own shard, samples its own part of
@@ -45,11 +44,13 @@ from jax.sharding import PartitionSpec as P
 from cleanrl_utils.actors import ActorThread
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, assemble_global_rollout, check_replay_fits, local_value, replicate
+from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -347,9 +348,9 @@ def actor_params(agent_state: AgentState):
     return agent_state.actor.params
 
 
-def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
-    """The actor thread: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with `key`,
-    ships rollouts to the learner."""
+def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
+    """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
+    `key`, ships one rollout per update to the learner."""
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, action_space = args.local_num_envs, args.num_steps, envs.action_space
@@ -382,7 +383,7 @@ def rollout(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Actor
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
                     previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs.astype(np.float32)
         storage = Rollout(obs, actions, rewards, terminations, valid)
-        storage = thread.split_for_learners(storage)  # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -394,8 +395,8 @@ class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
     agent: AgentState  # params, targets and optimizer states, replicated over the learner devices
-    replay: flashbax.buffers.trajectory_buffer.TrajectoryBufferState  # sharded along the env axis
     key: jax.Array  # the learner's PRNG key (minibatch samples, policy noise), the same in every process
+    replay: flashbax.buffers.trajectory_buffer.TrajectoryBufferState  # sharded along the env axis
 
 
 class Minibatch(NamedTuple):
@@ -411,6 +412,43 @@ class LearnerFns(NamedTuple):
     init_replay: Callable  # () -> the empty replay, sharded along the env axis over the mesh
     update: Callable  # (state: LearnerState, rollout, train) -> (state, metrics)
     gradient_step: Callable  # (agent_state, minibatch) -> (agent_state, metrics): one step on a given global minibatch
+
+
+def sac_gradient_step(agent_state: AgentState, minibatch: Minibatch, *, agent: Agent, args: Args):
+    """One SAC step on a learner device's part of the global minibatch, inside `shard_map` over the mesh axis "batch"
+    (paper Algorithm 1: the three losses, gradients summed over the devices, then the Polyak target update)."""
+    weights = minibatch.transitions.valid.astype(jnp.float32)  # never learn envpool's reset step
+    normalizer = jnp.maximum(jax.lax.psum(weights.sum(), "batch"), 1.0)
+    # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
+    # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
+    local_params = jax.lax.pcast(
+        (agent_state.actor.params, agent_state.critic.params, agent_state.log_alpha.params["log_alpha"]),
+        "batch",
+        to="varying",
+    )
+    (_, metrics), grads = jax.value_and_grad(sac_losses, argnums=(0, 1, 2), has_aux=True)(
+        *local_params,
+        agent=agent,
+        batch=minibatch.transitions,
+        next_obs=minibatch.next_obs,
+        target_critic_params=agent_state.target_critic_params,
+        noise=minibatch.noise,
+        next_noise=minibatch.next_noise,
+        weights=weights,
+        normalizer=normalizer,
+        gamma=args.gamma,
+        target_entropy=-float(agent.actor.action_dim),
+        autotune=args.autotune,
+    )  # target entropy -|A|: paper Sec. 5
+    (actor_grads, critic_grads, alpha_grads), metrics = jax.lax.psum((grads, metrics), "batch")
+    critic = agent_state.critic.apply_gradients(grads=critic_grads)
+    agent_state = agent_state.replace(
+        actor=agent_state.actor.apply_gradients(grads=actor_grads),
+        critic=critic,
+        target_critic_params=optax.incremental_update(critic.params, agent_state.target_critic_params, args.tau),
+        log_alpha=agent_state.log_alpha.apply_gradients(grads={"log_alpha": alpha_grads}),
+    )
+    return agent_state, {**metrics, "losses/alpha": jnp.exp(agent_state.log_alpha.params["log_alpha"])}
 
 
 def make_replay_buffer(args: Args, num_learner_devices: int, global_envs: int, local: bool):
@@ -449,48 +487,13 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     minibatch_specs = Minibatch(Rollout(*([sharded_samples] * len(Rollout._fields))), *([sharded_samples] * 3))
     num_devices, global_envs = mesh.devices.size, args.batch_size // args.num_steps
     local_buffer = make_replay_buffer(args, num_devices, global_envs, local=True)
-    action_dim = agent.actor.action_dim
+    local_gradient_step = partial(sac_gradient_step, agent=agent, args=args)
 
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(
             replay_item(args)
         )
-
-    def local_gradient_step(agent_state: AgentState, minibatch: Minibatch):
-        """One SAC step (paper Algorithm 1: the three losses on one minibatch, then the Polyak target update)."""
-        weights = minibatch.transitions.valid.astype(jnp.float32)  # never learn envpool's reset step
-        normalizer = jnp.maximum(jax.lax.psum(weights.sum(), "batch"), 1.0)
-        # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
-        # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
-        local_params = jax.lax.pcast(
-            (agent_state.actor.params, agent_state.critic.params, agent_state.log_alpha.params["log_alpha"]),
-            "batch",
-            to="varying",
-        )
-        (_, metrics), grads = jax.value_and_grad(sac_losses, argnums=(0, 1, 2), has_aux=True)(
-            *local_params,
-            agent=agent,
-            batch=minibatch.transitions,
-            next_obs=minibatch.next_obs,
-            target_critic_params=agent_state.target_critic_params,
-            noise=minibatch.noise,
-            next_noise=minibatch.next_noise,
-            weights=weights,
-            normalizer=normalizer,
-            gamma=args.gamma,
-            target_entropy=-float(action_dim),
-            autotune=args.autotune,
-        )  # target entropy -|A|: paper Sec. 5
-        (actor_grads, critic_grads, alpha_grads), metrics = jax.lax.psum((grads, metrics), "batch")
-        critic = agent_state.critic.apply_gradients(grads=critic_grads)
-        agent_state = agent_state.replace(
-            actor=agent_state.actor.apply_gradients(grads=actor_grads),
-            critic=critic,
-            target_critic_params=optax.incremental_update(critic.params, agent_state.target_critic_params, args.tau),
-            log_alpha=agent_state.log_alpha.apply_gradients(grads={"log_alpha": alpha_grads}),
-        )
-        return agent_state, {**metrics, "losses/alpha": jnp.exp(agent_state.log_alpha.params["log_alpha"])}
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
@@ -503,14 +506,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
                 jax.random.fold_in(step_key, jax.lax.axis_index("batch")), 3
             )
             pairs = local_buffer.sample(replay, sample_key).experience
-            shape = pairs.first.actions.shape
-            minibatch = Minibatch(
-                pairs.first,
-                pairs.second.obs,
-                jax.random.normal(noise_key, shape),
-                jax.random.normal(next_noise_key, shape),
-            )
-            return local_gradient_step(agent_state, minibatch)
+            noise = (jax.random.normal(k, pairs.first.actions.shape) for k in (noise_key, next_noise_key))
+            return local_gradient_step(agent_state, Minibatch(pairs.first, pairs.second.obs, *noise))
 
         agent_state, metrics = jax.lax.scan(step, agent_state, jax.random.split(key, args.gradient_steps))
         return agent_state, replay, jax.tree.map(jnp.mean, metrics)
@@ -525,11 +522,11 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         )(agent_state, replay, storage, key)
 
     def update(state: LearnerState, storage: Rollout, train: bool) -> tuple[LearnerState, dict]:
-        agent_state, replay, key = state
+        agent_state, key, replay = state
         key, update_key = jax.random.split(key)
         agent_state, replay, metrics = update_step(agent_state, replay, storage, update_key, train=train)
         metrics["stats/gradient_steps"] = args.gradient_steps * train
-        return LearnerState(agent_state, replay, key), metrics
+        return LearnerState(agent_state, key, replay), metrics
 
     gradient_step = jax.jit(
         jax.shard_map(
@@ -549,7 +546,7 @@ def end_stored_episodes(replay):
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `rollout`, `make_learner_fns`, `LearnerState`, `validate_args` and
+# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
 # `set_runtime_values` from this script)
 
 
@@ -588,21 +585,11 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def set_runtime_values(args: Args, layout: DeviceLayout):
     """What the run derives beyond the batch (cleanrl_utils.flags.derive_batch_values): not flags."""
-    gradient_steps = args.replay_ratio * args.batch_size
-    if round(gradient_steps) < 1 or abs(gradient_steps - round(gradient_steps)) > 1e-6:
-        raise UsageError(
-            f"--replay-ratio ({args.replay_ratio}) x env steps per update ({args.batch_size}) must be a "
-            "positive whole number of gradient steps"
-        )
-    args.gradient_steps = round(gradient_steps)
+    args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's rollout is all a replay holds after it: with one step per rollout, it has no pair yet
     args.learning_starts_updates = max(-(-args.learning_starts // args.batch_size), int(args.num_steps == 1))
     global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
-    if args.minibatch_size % num_learner_devices != 0:
-        raise UsageError(
-            f"--minibatch-size ({args.minibatch_size}) must be divisible by the number of learner devices "
-            f"of all processes ({num_learner_devices}): each samples its share"
-        )
+    check_minibatch_split(args.minibatch_size, num_learner_devices)
     if args.buffer_size // global_envs < max(args.num_steps, 2):
         raise UsageError(
             f"--buffer-size ({args.buffer_size}) must hold at least --num-steps ({args.num_steps}) "
@@ -628,37 +615,39 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, logger, signals
-    # the agent and learner keys are the same in every process; each actor thread folds its global index into
-    # actor_key, so no two threads (or processes) sample with the same key
+    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
+    # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
-    state = run.restore(
-        LearnerState(replicate(agent_state, run.mesh), learner.init_replay(), learner_key), state_summary
+    # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
+    state, actor_threads = run.start(
+        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
     )
     if run.start_update:  # the actors start new episodes: the stored ones have no next observation
         state = state._replace(replay=end_stored_episodes(state.replay))
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
-    params_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
-    rollout_queues = [queue.Queue(maxsize=1) for _ in run.actor_threads]
+    params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
+    rollout_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
     make_envs = partial(make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options)
-    actor = partial(rollout, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
-    for thread, params_queue, rollout_queue in zip(run.actor_threads, params_queues, rollout_queues):
+    actor = partial(actor_loop, args=args, key=actor_key, make_envs=make_envs, actor_fns=make_actor_fns(agent))
+    for thread, params_queue, rollout_queue in zip(actor_threads, params_queues, rollout_queues):
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
     with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
         for update in run.updates():
-            rollouts = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
-            storage = assemble_global_rollout(rollouts.storages, run.mesh, args.batch_size // args.num_steps)
+            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # random actions' data only, so far
-            # NaN or inf: stops, checkpointed with the replay as it is now (env data, finite: it holds this rollout)
-            state, metrics = run.learn(update, learner.update, state, storage, train)
-            if update < args.num_updates:
+            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            state, metrics = learner.update(state, storage, train)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            if update < args.num_updates:  # the actors get version `update` only now that it is finite
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
     return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
 
 

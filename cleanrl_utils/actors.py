@@ -45,7 +45,7 @@ class ActorThread:
     index: int  # in this process
     global_index: int  # over all processes: its envs' seeds and its key
     device: object  # the actor device it runs inference on (jax.Device)
-    learner_devices: list  # this process's learner devices: each gets a slice of the rollout's envs
+    learner_devices: list  # this process's learner devices: each gets a slice of the rollout's envs (data_path.py)
     start_update: int  # 0, or the update of the checkpoint the run resumed from
     envpool_threads: int  # threads stepping its envs
     stop_event: threading.Event
@@ -76,18 +76,6 @@ class ActorThread:
         """Between env steps: another thread failed, or Ctrl-C; do not finish a long rollout."""
         if self.stop_event.is_set():
             raise RunStopped
-
-    def split_for_learners(self, rollout) -> list:
-        """One host-to-device transfer per rollout: each learner device gets its slice of the envs (axis 1; device_put
-        copies the host arrays, so the thread may overwrite them afterwards)."""
-        import jax
-
-        envs = jax.tree.leaves(rollout)[0].shape[1] // len(self.learner_devices)
-
-        def part(index: int):
-            return jax.tree.map(lambda x: x[:, index * envs : (index + 1) * envs], rollout)
-
-        return [jax.device_put(part(index), device) for index, device in enumerate(self.learner_devices)]
 
 
 class ActorThreads:

@@ -15,6 +15,7 @@ import secrets
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 
 import numpy as np
@@ -138,7 +139,7 @@ def _learner_devices(leaves) -> int:
 def check_shapes(meta: dict, leaves: list, path: str):
     """A checkpoint restores into any device layout of the same shapes (orbax re-shards). A state whose shapes depend
     on the number of learner devices (R2D2's replay keeps one priority tree per device) resumes only on as many."""
-    if "shapes" not in meta or meta["shapes"] == [list(np.shape(leaf)) for leaf in leaves]:
+    if meta["shapes"] == [list(np.shape(leaf)) for leaf in leaves]:
         return
     stored, here = meta["learner_devices"], _learner_devices(leaves)
     if stored != here:
@@ -155,13 +156,13 @@ def check_shapes(meta: dict, leaves: list, path: str):
 
 @contextmanager
 def _stderr_held():
-    """A failed write fails in each of orbax's writer threads, and each prints its own traceback (absl logs, and
+    """A failed write or read fails in each of orbax's threads, and each prints its own traceback (absl logs, and
     tensorstore callbacks that reach a closed event loop), at the C level too: what is printed to stderr during a
-    write is held, printed after a write that succeeded and dropped after one that failed (its RunError is the run's
-    one line; asyncio's "exception was never retrieved" of the abandoned tasks, at exit, is filtered by save). Held
-    in memory, through a pipe: on a full disk no file can hold it."""
+    write or read is held, printed after one that succeeded and dropped after one that failed (its error is the run's
+    one line), with what the abandoned tasks report later (`_drop_abandoned_io_reports`). Held in memory, through a
+    pipe: on a full disk no file can hold it."""
     sys.stderr.flush()
-    stderr, before = os.dup(2), set(threading.enumerate())
+    stderr = os.dup(2)
     read_end, write_end = os.pipe()
     held = bytearray()
 
@@ -179,17 +180,61 @@ def _stderr_held():
         yield
         succeeded = True
     finally:
-        if not succeeded:  # the failed write's other threads still print: let them end (10 s at most)
-            deadline = time.time() + 10
-            for thread in set(threading.enumerate()) - before - {drainer}:
-                thread.join(timeout=max(deadline - time.time(), 0))
         sys.stderr.flush()
-        os.dup2(stderr, 2)  # the pipe's last write end closes: the drainer reads to its end
+        if succeeded:
+            os.dup2(stderr, 2)  # the pipe's last write end closes: the drainer reads to its end
+        else:  # the failed read's or write's other threads may go on printing: dropped from now on
+            _drop_abandoned_io_reports(os.dup(stderr))
         os.close(stderr)
         drainer.join(timeout=10)
         if succeeded:
             sys.stderr.write(bytes(held).decode(errors="replace"))
             sys.stderr.flush()
+
+
+class _MainThreadOnly:
+    """sys.stderr, but what other threads write is dropped."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        if threading.current_thread() is threading.main_thread():
+            return self.stream.write(text)
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _drop_abandoned_io_reports(stderr: int | None = None):
+    """After a read or write failed (its one line says so, from the main thread): what orbax and tensorstore left
+    behind reports itself later, perhaps only as the process exits: tensorstore's callbacks into a closed event loop
+    print tracebacks from their own threads, and collected coroutines and futures print "Exception ignored in:
+    <coroutine ...>" or asyncio's "exception was never retrieved". Those reports are dropped: from here on, stderr
+    takes the main thread's writes only (file descriptor 2 itself, written by C code and at exit, goes nowhere), and the
+    unraisable reports of their coroutines are not shown."""
+    logging.getLogger("asyncio").addFilter(lambda record: "never retrieved" not in record.getMessage())
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+    sys.stderr.flush()
+    if isinstance(sys.stderr, _MainThreadOnly):  # already: sys.stderr writes to the real stderr
+        if stderr is not None:
+            os.close(stderr)
+    else:  # sys.stderr to the real stderr (`stderr`, or a copy of descriptor 2)
+        stderr = os.dup(2) if stderr is None else stderr
+        sys.stderr = _MainThreadOnly(open(stderr, "w", buffering=1, errors="backslashreplace"))
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)  # descriptor 2, and what C code and the exit write there, to /dev/null
+    os.close(devnull)
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None) or getattr(unraisable.object, "gi_code", None)
+        if code is not None and any(name in code.co_filename for name in ("orbax", "tensorstore", "asyncio")):
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 class Checkpoints:
@@ -204,9 +249,6 @@ class Checkpoints:
         self.manager = ocp.CheckpointManager(
             path, options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False)
         )
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
 
     def save(self, update: int, state, *, global_step: int, flags: dict, summary: str):
         """The state (any tree of arrays and PRNG keys) after `update` (unless it is saved already) with its digest
@@ -249,7 +291,7 @@ class Checkpoints:
                 if code
                 else str(error).splitlines()[0][:200]
             )
-            logging.getLogger("asyncio").addFilter(lambda record: "never retrieved" not in record.getMessage())
+            _drop_abandoned_io_reports()
             last = self.manager.latest_step()
             raise RunError(
                 f"cannot write checkpoint {update} into {self.directory}: {cause}; "
@@ -278,7 +320,8 @@ class Checkpoints:
             return state, 0
         path = os.path.join(self.manager.directory, str(update))
         try:
-            meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with _stderr_held():  # absl's log of a damaged metadata file, orbax's threads' tracebacks
+                meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if meta["global_step"] != update * batch_size:
                 raise CheckpointError(
                     f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per "
@@ -292,20 +335,25 @@ class Checkpoints:
                         f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run "
                         f"has {value}; use the checkpoint's value or another --run-name"
                     )
-            template = _keys_to_data(state)
+            # keys as their data where each leaf lives: every leaf restores into this run's layout (a replicated
+            # key too, also from a checkpoint that other processes wrote)
+            template = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
             check_shapes(meta, jax.tree.leaves(template), path)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-            restored = self.manager.restore(update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+            with _stderr_held():
+                restored = self.manager.restore(
+                    update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+                )
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is one line, whatever orbax raised
+            _drop_abandoned_io_reports()
             raise CheckpointError(
                 f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
                 f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
                 "from an older one"
             ) from None
-        # (checkpoints of earlier versions saved the digest of one shard as "digest": not comparable, not checked)
-        if "state_sha256" in meta and tree_digest(restored["state"]) != meta["state_sha256"]:
+        if tree_digest(restored["state"]) != meta["state_sha256"]:
             raise CheckpointError(
                 f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
                 "saved with it); delete it to resume from an older one"

@@ -77,12 +77,15 @@ def run_cli(main, args_class, argv: list[str] | None = None):
     except BaseException as error:
         line = error_line(error)
         if distributed_started():
-            if not isinstance(error, UsageError):  # a collective that failed because a peer ended: name it
-                from cleanrl_utils.processes import peer_failure_line
+            from cleanrl_utils.processes import outlive_peers, peer_failure_line
 
-                peer_line = peer_failure_line()
-                if peer_line is not None:
-                    exit_process(1, peer_line)
+            if isinstance(error, UsageError):  # every process finds it: each prints its line, process 0 ends last
+                print(f"error: {line}", file=sys.stderr, flush=True)
+                outlive_peers()
+                exit_process(exit_code(error))
+            peer_line = peer_failure_line()  # a collective that failed because a peer ended: name it
+            if peer_line is not None:
+                exit_process(1, peer_line)
             if line is None:
                 traceback.print_exc()
             exit_process(exit_code(error), line)

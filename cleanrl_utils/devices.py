@@ -1,17 +1,18 @@
-"""Device layout: host devices on CPU, `jax.distributed`, the learner mesh over every process, device-id checks.
+"""Device layout: host devices on CPU, `jax.distributed`, the learner mesh over every process, device-id checks,
+envpool threads, and moving replicated trees between the mesh, the actor devices and the host.
 
 The actor devices are local to each process; the learner devices are `--learner-device-ids` of *every* process,
 in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
 """
 
-import math
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
+from cleanrl_utils.data_path import learner_mesh
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import INT32_MAX, flag
+from cleanrl_utils.flags import flag
 from cleanrl_utils.processes import agree_on_flags, start_distributed
 
 
@@ -39,8 +40,8 @@ def envpool_num_threads(requested: int, actor_threads_per_process: int) -> int:
 @dataclass
 class DeviceLayout:
     actor_devices: list  # this process's devices that run actor threads
-    learner_devices: list  # this process's learner devices
-    global_learner_devices: list  # the learner devices of every process, process-major: the mesh
+    learner_devices: list  # this process's learner devices, in mesh order
+    global_learner_devices: list  # the learner devices of every process, in mesh order (process-major)
     mesh: object  # jax.sharding.Mesh over global_learner_devices, axis "batch"
     world_size: int  # the number of processes
     local_rank: int  # this process's index
@@ -56,7 +57,6 @@ def device_layout(args) -> DeviceLayout:
     actor_device_ids = getattr(args, "actor_device_ids", [])  # an Anakin script has none: it acts on its learners
     ensure_host_devices(actor_device_ids + args.learner_device_ids)
     import jax
-    from jax.sharding import Mesh
 
     if args.distributed:
         start_distributed(args)  # cleanrl_utils/processes.py
@@ -68,99 +68,15 @@ def device_layout(args) -> DeviceLayout:
                 f"{flag(name)} {ids} out of range: this process has {len(local_devices)} "
                 f"{local_devices[0].platform} device(s), ids 0..{len(local_devices) - 1}"
             )
-    world_size = jax.process_count()
-    global_learner_devices = [
-        device
-        for process in range(world_size)
-        for i, device in enumerate(sorted((d for d in jax.devices() if d.process_index == process), key=lambda d: d.id))
-        if i in args.learner_device_ids
-    ]
+    mesh, learner_devices = learner_mesh(args.learner_device_ids)  # cleanrl_utils/data_path.py: the mesh's order
     return DeviceLayout(
         actor_devices=[local_devices[i] for i in actor_device_ids],
-        learner_devices=[local_devices[i] for i in args.learner_device_ids],
-        global_learner_devices=global_learner_devices,
-        mesh=Mesh(np.array(global_learner_devices), ("batch",)),
-        world_size=world_size,
+        learner_devices=learner_devices,
+        global_learner_devices=list(mesh.devices.flat),
+        mesh=mesh,
+        world_size=jax.process_count(),
         local_rank=jax.process_index(),
     )
-
-
-GIB = 2**30
-
-
-def tree_bytes(tree) -> int:
-    """The bytes of a tree of arrays or of `jax.ShapeDtypeStruct`s, in Python ints (no overflow at any size)."""
-    import jax
-
-    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
-
-
-def host_memory_bytes() -> int:
-    """This host's physical memory, or the memory limit of this process's cgroup (a container) where lower."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]:  # cgroup v2, v1
-        try:
-            with open(path) as file:
-                value = file.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():  # v2 says "max" when unlimited
-            limit = min(limit, int(value))
-    return limit
-
-
-def device_memory_bytes(device) -> int | None:
-    """The most memory XLA may allocate on `device` (its allocator's `bytes_limit`: GPU, TPU), None where the device
-    does not say (CPU: its arrays are in the host's memory)."""
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return (stats or {}).get("bytes_limit")
-
-
-def check_replay_fits(buffer_size: int, init, item, learner_devices: list, new_rows: int):
-    """--buffer-size against this process's learner devices, before any replay is allocated (else a huge size is a
-    RESOURCE_EXHAUSTED traceback, or an int32 overflow in compiled code): a UsageError, one line.
-
-    `init(item)` makes one learner device's replay shard (a flashbax buffer's `init`); only its shapes are computed
-    (jax.eval_shape), in Python ints, so no size overflows before the check. The shard must fit in the memory of
-    each learner device: XLA's `bytes_limit` on GPU and TPU; on CPU the host's physical memory (or the cgroup's
-    limit), shared by the process's CPU learner devices. Physical memory, not what is free now (MemAvailable): it is
-    the same kind of bound as the GPU's limit, the most the device can ever hold, and it gives the same answer for the
-    same flags on the same machine (a resume is not refused because other programs hold memory at that moment); a
-    replay above it can never be allocated. Each axis of the shard, plus the `new_rows` an update writes into it,
-    must fit flashbax's int32 indices."""
-    import jax
-
-    shard = jax.eval_shape(init, item)
-    need = tree_bytes(shard)
-    limits = [
-        (device_memory_bytes(device), device, "XLA's memory limit on it")
-        for device in learner_devices
-        if device.platform != "cpu"
-    ]
-    cpus = [device for device in learner_devices if device.platform == "cpu"]
-    if cpus:
-        host = host_memory_bytes()
-        shared = (
-            f", {host / GIB:,.1f} GiB, shared by this process's {len(cpus)} CPU learner devices"
-            if len(cpus) > 1
-            else ""
-        )
-        limits.append((host // len(cpus), cpus[0], f"the host's memory{shared}"))
-    known = [limit for limit in limits if limit[0] is not None]
-    if known and need > min(limit[0] for limit in known):
-        limit, device, what = min(known, key=lambda limit: limit[0])
-        raise UsageError(
-            f"--buffer-size ({buffer_size}) needs {need / GIB:,.1f} GiB of replay on each learner device; "
-            f"device {device} has {limit / GIB:,.1f} GiB ({what}): lower --buffer-size (about "
-            f"{buffer_size * limit // need} fit){'' if cpus else ' or use more learner devices'}"
-        )
-    largest = max((max(leaf.shape, default=0) for leaf in jax.tree.leaves(shard)), default=0)
-    if largest + new_rows > INT32_MAX:
-        raise UsageError(
-            f"--buffer-size ({buffer_size}) makes replay arrays of {largest} rows on each learner "
-            f"device (+ {new_rows} written per update); their indices are int32, at most {INT32_MAX}: "
-            f"lower --buffer-size (about {max(0, buffer_size * (INT32_MAX - new_rows) // largest)} fit)"
-        )
 
 
 def replicate(tree, mesh):
@@ -193,23 +109,3 @@ def copies_for_devices(tree, devices: list) -> dict:
 
     local = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
     return {device: jax.device_put(local, device, may_alias=False) for device in devices}
-
-
-def assemble_global_rollout(per_thread_storages: list, mesh, global_envs: int):
-    """The learner's view of one update's rollouts: each actor thread's parts (one per local learner device, env axis
-    1) concatenated on their device, then viewed as one global array over the learner devices of every process (env
-    axis sharded, device-major)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    per_device = [  # per_thread_storages[thread][device] -> one rollout per local learner device
-        jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *storages) for storages in zip(*per_thread_storages)
-    ]
-
-    def to_global(*shards):
-        shape = (shards[0].shape[0], global_envs, *shards[0].shape[2:])
-        sharding = NamedSharding(mesh, PartitionSpec(None, "batch"))
-        return jax.make_array_from_single_device_arrays(shape, sharding, list(shards))
-
-    return jax.tree.map(to_global, *per_device)

@@ -94,7 +94,7 @@ def _listen_for_peers():
 
     listener = socket.socket()
     listener.bind(("", 0))
-    listener.listen(64)
+    listener.listen(512)  # each probe of a peer is one connection, never accepted: room for every probe of a run
     host = socket.gethostname().encode()[:_HOST_BYTES]
     row = np.zeros(2 + _HOST_BYTES, np.uint8)
     row[:2] = np.frombuffer(listener.getsockname()[1].to_bytes(2, "big"), np.uint8)
@@ -126,6 +126,20 @@ def gone_processes(timeout: float = 3.0) -> list[int]:
     others = [rank for rank in range(len(_peers["addresses"])) if rank != me]
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(others)))) as pool:
         return [rank for rank, is_gone in zip(others, pool.map(gone, others)) if is_gone]
+
+
+def outlive_peers(timeout: float = 10.0):
+    """Process 0 (it runs JAX's coordination service) waits up to `timeout` seconds for the others to end: bad input
+    that every process finds for itself must end each with its own line, and a peer still printing its line would
+    otherwise be aborted by JAX when process 0's service goes away."""
+    import jax
+
+    if not _peers["addresses"] or jax.process_index() != 0:
+        return
+    others = len(_peers["addresses"]) - 1
+    deadline = time.time() + timeout
+    while len(gone_processes(timeout=1.0)) < others and time.time() < deadline:
+        time.sleep(0.25)
 
 
 def peer_failure_line() -> str | None:

@@ -2,39 +2,38 @@
 
 A Sebulba script's `main` is the Sebulba protocol; each line of bookkeeping is one call of its `SebulbaRun`:
 
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder (locked), checkpoint folder, signals
-    state = run.restore(state, state_summary)             # the newest checkpoint of --run-name, or `state` as it is
-    run.start_actor(rollout, thread, ...)                  # for thread in run.actor_threads: supervised threads
-    run.broadcast(params_queues, params, version)          # one copy of the params per actor device, to every thread
-    with run.supervise():                                  # an actor's failure is raised here, with its traceback
-        for update in run.updates():                       # until --total-timesteps, or a signal (SIGTERM, Ctrl-C)
-            rollouts = run.get_rollouts(rollout_queues)    # every thread's rollout of this update
-            state, metrics = run.learn(update, learner_update, state, ...)  # NaN or inf: stops (Diverged)
-            run.end_update(update, state, metrics, rollouts)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)                  # final checkpoint and digests, --save-model, exit code
+    run = SebulbaRun(args, __file__, runtime_values)        # devices, derived values, run folder, checkpoints, signals
+    state, actor_threads = run.start(state, state_summary)  # the newest checkpoint of --run-name or `state`; logger
+    run.start_actor(actor, thread, ...)                     # for thread in actor_threads: a supervised daemon thread
+    run.broadcast(params_queues, params, version)           # one copy of the params per actor device, to every thread
+    with run.supervise():                                   # an actor's failure is raised here, with its traceback
+        for update in run.updates():                        # until --total-timesteps, or a signal (SIGTERM, Ctrl-C)
+            outputs = run.get_rollouts(rollout_queues)      # every thread's rollout of this update
+            before = run.copy_learner_state(state)          # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state, ...)     # the script's update, dispatched
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            run.broadcast(params_queues, params, version=update)
+            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
+    return run.finish(state, saved_model)                   # final checkpoint and digests, --save-model, exit code
 
-An Anakin script's `AnakinRun` has the same calls but the actor threads' (`start_actor`, `broadcast`,
-`get_rollouts`): its envs are in the learner state, and one compiled program per update acts, steps them and learns.
+`run.start` returns the actor threads because they depend on the update the run resumes from (their env seeds and
+keys): the threads cannot exist before the checkpoint is read. An Anakin script's `AnakinRun` has the same calls but
+the actor threads' (`start` returns the state alone; no `start_actor`, `broadcast`, `get_rollouts`): its envs are in
+the learner state, and one compiled program per update acts, steps them and learns.
 
 The learner state is a NamedTuple with the fields `agent` (params and optimizer state), `key` and, in a replay
-script, `replay` (in an Anakin script, `envs`): it is what a checkpoint holds. Its `agent` is checked for NaN and
-infinity after every update; the update donates its input buffers, so `learn` keeps a copy of the state it starts from
-(all but the replay, which holds env data only) and checkpoints that last finite state, with the replay as it is, when
-an update diverges. With several processes every process calls these methods in the same order (checkpoints and
-digests are collective).
+script, `replay` (in an Anakin script, `envs`): it is what a checkpoint holds. With several processes every process
+calls these methods in the same order (checkpoints and digests are collective).
 """
 
 import dataclasses
 import os
-import random
 import sys
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
-
-import numpy as np
 
 from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_get, queue_put
 from cleanrl_utils.checkpoints import Checkpoints
@@ -49,7 +48,7 @@ from cleanrl_utils.processes import shutdown
 from cleanrl_utils.saved_model import save_evaluate_upload
 
 
-class Rollouts(NamedTuple):
+class ActorOutputs(NamedTuple):
     """What the learner got from its actor threads for one update."""
 
     storages: list  # per actor thread: its rollout, one part per local learner device
@@ -61,10 +60,10 @@ class Run:
     """What a Sebulba and an Anakin run share: devices, run folder, checkpoints, logger, signals, the learner loop's
     bookkeeping and the end of a run. `SebulbaRun` adds the actor threads; `AnakinRun` has none."""
 
-    def __init__(self, args, script: str, set_runtime_values: Callable | None = None):
+    def __init__(self, args, script: str, runtime_values: Callable | None = None):
         """Starts the run: JAX's devices (and jax.distributed), the values derived from the flags (the batch, then
-        `set_runtime_values(args, layout)`, the script's own), the run folder and its lock, the checkpoint folder,
-        the seeds of Python's and NumPy's global generators, and the SIGTERM / Ctrl-C handlers."""
+        `runtime_values(args, layout)`, the script's own: it checks them, and sets those it derives), the run folder
+        and its lock, the checkpoint folder, and the SIGTERM / Ctrl-C handlers."""
         if args.exp_name is None:
             args.exp_name = os.path.basename(script)[: -len(".py")]
         self.args, self.script = args, script
@@ -73,13 +72,11 @@ class Run:
         derive_batch_values(
             args, world_size=layout.world_size, local_rank=layout.local_rank, **self.env_copies(args, layout)
         )
-        if set_runtime_values is not None:
-            set_runtime_values(args, layout)
+        if runtime_values is not None:
+            runtime_values(args, layout)
         if args.run_name is None:
             args.run_name = default_run_name(args.env_id, args.exp_name, args.seed)
         self.folder = RunFolder(args.run_name, args.checkpoint_dir, is_main_process=layout.is_main_process)
-        random.seed(args.seed)
-        np.random.seed(args.seed)
         self.checkpoints = Checkpoints(
             args.checkpoint_dir or f"runs/{args.run_name}/checkpoints",
             keep=args.checkpoint_keep,
@@ -89,7 +86,7 @@ class Run:
         self.preemption = Preemption(layout.world_size, self.stop_event)  # stop after an update, checkpoint
         self.start_update = self.update = 0  # the update the run starts after, and the last one done
         self.summary, self.logger = None, None
-        self.training_time = 0.0
+        self.update_started, self.training_time = 0.0, 0.0
 
     @staticmethod
     def env_copies(args, layout) -> dict:
@@ -98,9 +95,10 @@ class Run:
 
     # ------------------------------------------------------------ the learner's state
 
-    def restore(self, state, summary: Callable[[object], str]):
+    def start(self, state, summary: Callable[[object], str]):
         """The newest complete checkpoint of the run, in the shapes (and on the devices) of `state`, or `state`
-        itself when there is none. `summary(state)`: the state's digests, printed with every checkpoint."""
+        itself when there is none; then the logger (TensorBoard, W&B) from that update on. `summary(state)`: the
+        state's digests, printed with every checkpoint."""
         args = self.args
         self.summary = summary
         state, self.start_update = self.checkpoints.restore(
@@ -150,30 +148,26 @@ class Run:
                 return
             yield update
 
-    def learn(self, update: int, learner_update: Callable, state, *inputs):
-        """`learner_update(state, *inputs) -> (state, metrics)`, waited for. A NaN or an infinity in its metrics or in
-        the new `state.agent` stops the run: the last finite state is checkpointed (as update - 1) and `Diverged`
-        raised, never a wrong model trained on or saved. A Sebulba run's failed actor thread is raised here
-        too."""
+    def copy_learner_state(self, state):
+        """A copy of the state an update starts from (the update donates its input buffers), for `wait_for_finite`:
+        all but the replay (env data, always finite, and large)."""
+        self.update_started = time.time()
+        return copy_state(state._replace(replay=None) if hasattr(state, "replay") else state)
+
+    def wait_for_finite(self, update: int, state, metrics: dict, before) -> dict:
+        """Waits for the update and returns its metrics as host values. A NaN or an infinity in them or in the new
+        `state.agent` stops the run: `before` (with the replay as it is now) is checkpointed as update - 1 and
+        `Diverged` raised, never a wrong model trained on or saved."""
         import jax
 
-        start = time.time()
-        replay = getattr(state, "replay", None)  # env data, always finite, and large: not copied
-        last_finite = copy_state(state if replay is None else state._replace(replay=None))
-        state, metrics = learner_update(state, *inputs)
         metrics = jax.device_get(metrics)  # waits for the update
-        self.training_time = time.time() - start
+        self.training_time = time.time() - self.update_started
         if not all_finite(metrics, state.agent):
-            if replay is not None:  # the replay as it is now (it holds this update's rollout too)
-                last_finite = last_finite._replace(replay=state.replay)
-            self.save(update - 1, last_finite)
+            if hasattr(state, "replay"):  # the replay as it is now (it holds this update's rollout too)
+                before = before._replace(replay=state.replay)
+            self.save(update - 1, before)
             raise Diverged(update, metrics)
-        self._check_helpers()
-        self.update = update
-        return state, metrics
-
-    def _check_helpers(self):
-        """A failure of a thread that works for the learner (Sebulba's actor threads), raised in the learner loop."""
+        return metrics
 
     def log_and_checkpoint(self, update: int, state, scalars: dict, actor_stats: list[dict], actor_policy_version):
         """The update's scalars to TensorBoard (and the console), then its checkpoint, every --checkpoint-frequency."""
@@ -186,6 +180,7 @@ class Run:
         if "stats/gradient_steps" in scalars:  # a replay learner's gradient steps of this update
             scalars["stats/gradient_steps_per_second"] = scalars["stats/gradient_steps"] / self.training_time
         self.logger.log_update(update, scalars, actor_stats)
+        self.update = update
         if self.args.checkpoint_frequency and update % self.args.checkpoint_frequency == 0:
             self.save(update, state)
 
@@ -214,10 +209,10 @@ class Run:
 class SebulbaRun(Run):
     """A Sebulba run: the actor threads (supervised, fed through size-1 queues) on top of `Run`."""
 
-    def __init__(self, args, script: str, set_runtime_values: Callable | None = None):
-        super().__init__(args, script, set_runtime_values)
+    def __init__(self, args, script: str, runtime_values: Callable | None = None):
+        super().__init__(args, script, runtime_values)
         self.actors = ActorThreads(self.stop_event)
-        self._actor_threads = None
+        self.actor_threads: list[ActorThread] = []
         self.rollout_queue_get_time = 0.0
 
     @staticmethod
@@ -227,29 +222,27 @@ class SebulbaRun(Run):
             "copies_flags": "--num-actor-threads x actor devices",
         }
 
-    # ------------------------------------------------------------ the actor threads
-
-    @property
-    def actor_threads(self) -> list[ActorThread]:
-        """This process's actor threads, `--num-actor-threads` per actor device (after `restore`: they start there)."""
-        if self._actor_threads is None:
-            args, layout = self.args, self.layout
-            num_threads = len(layout.actor_devices) * args.num_actor_threads
-            envpool_threads = envpool_num_threads(args.envpool_threads, num_threads)
-            self._actor_threads = [
-                ActorThread(
-                    index=index,
-                    global_index=layout.local_rank * num_threads + index,
-                    device=layout.actor_devices[index // args.num_actor_threads],
-                    learner_devices=layout.learner_devices,
-                    start_update=self.start_update,
-                    envpool_threads=envpool_threads,
-                    stop_event=self.stop_event,
-                    queue_timeout=args.queue_timeout,
-                )
-                for index in range(num_threads)
-            ]
-        return self._actor_threads
+    def start(self, state, summary: Callable[[object], str]) -> tuple[object, list[ActorThread]]:
+        """`Run.start`, then this process's actor threads, `--num-actor-threads` per actor device: where each runs,
+        and its env seeds and keys, which depend on the update the run starts from."""
+        state = super().start(state, summary)
+        args, layout = self.args, self.layout
+        num_threads = len(layout.actor_devices) * args.num_actor_threads
+        envpool_threads = envpool_num_threads(args.envpool_threads, num_threads)
+        self.actor_threads = [
+            ActorThread(
+                index=index,
+                global_index=layout.local_rank * num_threads + index,
+                device=layout.actor_devices[index // args.num_actor_threads],
+                learner_devices=layout.learner_devices,
+                start_update=self.start_update,
+                envpool_threads=envpool_threads,
+                stop_event=self.stop_event,
+                queue_timeout=args.queue_timeout,
+            )
+            for index in range(num_threads)
+        ]
+        return state, self.actor_threads
 
     def start_actor(self, target: Callable, thread: ActorThread, **kwargs):
         """`target(thread=thread, **kwargs)` in a daemon thread; its failure stops the run (raised by `supervise`)."""
@@ -296,7 +289,7 @@ class SebulbaRun(Run):
                         flush=True,
                     )
 
-    def get_rollouts(self, rollout_queues: list) -> Rollouts:
+    def get_rollouts(self, rollout_queues: list) -> ActorOutputs:
         """Every actor thread's `(rollout, actor_policy_version, stats)` of this update."""
         start = time.time()
         storages, versions, stats = zip(
@@ -304,16 +297,13 @@ class SebulbaRun(Run):
         )
         assert len(set(versions)) == 1, f"actor threads out of step: versions {versions}"
         self.rollout_queue_get_time = time.time() - start
-        return Rollouts(list(storages), versions[0], list(stats))
+        return ActorOutputs(list(storages), versions[0], list(stats))
 
-    def _check_helpers(self):
-        self.actors.check()
-
-    def end_update(self, update: int, state, metrics: dict, rollouts: Rollouts):
+    def end_update(self, update: int, state, metrics: dict, outputs: ActorOutputs):
         """The update's scalars (with the actor threads' stats) logged, then its checkpoint, every
         --checkpoint-frequency."""
         metrics = {**metrics, "stats/rollout_queue_get_time": self.rollout_queue_get_time}
-        self.log_and_checkpoint(update, state, metrics, rollouts.actor_stats, rollouts.actor_policy_version)
+        self.log_and_checkpoint(update, state, metrics, outputs.actor_stats, outputs.actor_policy_version)
 
 
 class AnakinRun(Run):

@@ -3,6 +3,7 @@ update, its rollout's bookkeeping against a plain loop, bad input, determinism a
 two processes, and learning MiniGrid-Empty-5x5 against the random policy."""
 
 import re
+import shutil
 import signal
 
 import jax
@@ -61,7 +62,8 @@ def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
 
 
 def tiny_args(**flags):
-    args = anakin.Args(hiddens=[16], num_steps=8, update_epochs=2, num_minibatches=1, norm_adv=False, **flags)
+    """The default flags but small: one minibatch (each learner device shuffles its own samples)."""
+    args = anakin.Args(hiddens=[16], num_steps=8, num_minibatches=1, **flags)
     args.num_updates = 10
     return args
 
@@ -74,7 +76,7 @@ def run_updates(num_devices: int, total_envs: int, updates: int = 2):
     agent, agent_state = anakin.make_agent(args, agent_key)
     env, env_params = anakin.make_xminigrid(args.env_id)
     envs = anakin.reset_envs(env, env_params, envs_key, total_envs, NamedSharding(mesh, P("batch")))
-    update = anakin.make_learner_fns(args, agent, env, env_params, mesh)
+    update = anakin.make_learner_update(args, agent, env, env_params, mesh)
     state = anakin.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
     for _ in range(updates):
         state, metrics = update(state)
@@ -84,7 +86,8 @@ def run_updates(num_devices: int, total_envs: int, updates: int = 2):
 
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update():
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are bitwise
-    the same on one and on two devices, and the params (one minibatch: the same samples) equal up to float sums."""
+    the same on one and on two devices, and the params equal up to float sums (the default flags, advantages normalized
+    over the whole minibatch, with one minibatch: the same samples)."""
     one_params, one_envs, one_metrics = run_updates(1, 8)
     two_params, two_envs, two_metrics = run_updates(2, 8)
     assert one_envs == two_envs
@@ -151,9 +154,12 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
     ],
 )
 def test_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
+    """The checks before any device (`validate_args`), then --env-id's, which imports xminigrid and so starts JAX's
+    backend: made once the devices (and jax.distributed) have started, in every process (`check_runtime_values`)."""
     args = parse_flags(anakin.Args, [*TINY, *flags])
     with pytest.raises(UsageError) as error:
         anakin.validate_args(args)
+        anakin.check_env_id(args.env_id)
     assert message in str(error.value)
 
 
@@ -222,8 +228,10 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
 
 @pytest.mark.slow
 def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
-    """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see."""
-    flags = [*TINY, "--total-timesteps", "2560", "--num-minibatches", "1"]
+    """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see;
+    their checkpoint resumes in one process on two learner devices (the layout change docs/reliability.md promises:
+    the learner key, replicated over two processes when saved, restores onto the one process's devices)."""
+    flags = [*TINY, "--total-timesteps", "2560", "--num-minibatches", "1", "--checkpoint-frequency", "5"]
     hosts, shared = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints"
     for host in hosts:
         host.mkdir()
@@ -232,14 +240,41 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
     )
     for returncode, _, err in results:
         assert returncode == 0, err[-3000:]
-    # the final checkpoint (10 updates of 16 envs x 16 steps), written by both processes into the shared folder
-    assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10"]
+    # 10 updates of 16 envs x 16 steps, checkpoints 5 and 10, written by both processes into the shared folder
+    assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10", "5"]
     digests = [final_digests(out) for _, out, _ in results]
     assert digests[0] == digests[1], "the processes' states differ"
-    # the same 16 envs on two devices of one process: the same env trajectories, bit for bit
-    one = run_script([*flags, "--learner-device-ids", "0", "1"], workdir, "one", script=ANAKIN_SCRIPT)
+    saved = DIGESTS.search(re.search(r"checkpoint saved: update=5 .*", results[0][1]).group(0)).groups()
+    # checkpoint 5, resumed by one process on two devices: restored bit for bit, and the same 16 envs stepped on to
+    # the same env states, bit for bit
+    one_process = workdir / "one_checkpoints"
+    shutil.copytree(shared, one_process)
+    shutil.rmtree(one_process / "10")
+    flags = [*flags, "--learner-device-ids", "0", "1", "--checkpoint-dir", str(one_process)]
+    one = run_script(flags, workdir, "one", script=ANAKIN_SCRIPT)
     assert one.returncode == 0, one.stderr[-3000:]
+    resumed = DIGESTS.search(re.search(r"resumed from checkpoint: update=5 .*", one.stdout).group(0)).groups()
+    assert resumed == saved
     assert final_digests(one.stdout)[1] == digests[0][1]
+
+
+@pytest.mark.slow
+def test_two_processes_with_a_bad_env_id_each_end_with_its_one_line(workdir):
+    """--env-id is checked once jax.distributed has started (importing xminigrid starts JAX's backend), in every
+    process: each prints the one line and exits 2, process 0 (JAX's coordination service) last, so that no peer is
+    aborted by JAX mid-way (twice: the exits race)."""
+    for attempt in range(2):
+        results = finish_processes(
+            start_processes(
+                [*TINY, "--env-id", "MiniGrid-Empty-5x5-v0"], workdir, 2, run_name=f"bad{attempt}", script=ANAKIN_SCRIPT
+            ),
+            timeout=120,
+        )
+        for rank, (returncode, _, err) in enumerate(results):
+            errors = [line for line in err.splitlines() if line.startswith("error:")]
+            assert returncode == 2 and len(errors) == 1, (attempt, rank, err[-3000:])
+            assert errors[0].startswith("error: --env-id must be one of xminigrid's MiniGrid envs"), errors
+            assert "Traceback" not in err and "Terminating process" not in err, err[-3000:]
 
 
 @pytest.mark.slow

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 from conftest import MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, one_error_line, run_script
 
-from cleanrl_utils.devices import check_replay_fits, host_memory_bytes
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import INT32_MAX, check_int32_counts
+from cleanrl_utils.replay import check_replay_fits, host_memory_bytes
 
 # tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches
 TINY_CARTPOLE = (

@@ -368,9 +368,9 @@ def test_ppo_learns_minigrid_empty_5x5(tmp_path):
 @pytest.mark.slow
 def test_mujoco_ppo_learns_dm_control_cartpole_balance(tmp_path):
     # the MuJoCo PPO script's defaults (PPO paper Table 3) with one actor thread of 8 envs (the same 2048-step batch,
-    # one busy thread per core here), 150k steps (about 35 s here). Rewards are in [0, 1] per step over 1000 steps
-    # (Tassa et al. 2018); random actions keep the pole up for a while (about 360), and published curves reach ~1000
-    # only after ~1M steps, so the bar is a clear gain over random measured here.
+    # one busy thread per core here), 150k steps (its time: docs/env-families.md#tests). Rewards are in [0, 1] per step
+    # over 1000 steps (Tassa et al. 2018); random actions keep the pole up for a while (about 360), and published curves
+    # reach ~1000 only after ~1M steps, so the bar is a clear gain over random measured here.
     trained, random = trained_and_random_returns(
         tmp_path,
         "CartpoleBalance-v1",

@@ -103,7 +103,8 @@ def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
 
 
 def test_learner_update_is_the_same_on_one_and_on_two_devices():
-    """Data parallelism must not change the math: the same global rollout, one minibatch, gives the same params.
+    """Data parallelism must not change the math: the same global rollout, the default flags but one minibatch, gives
+    the same params.
     IMPALA's learner turns shard_map's checks off (check_vma=False), so nothing but this test checks that each
     device's gradient is summed over the devices exactly once; several minibatches on two devices update too."""
     import optax
@@ -136,15 +137,14 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
             num_actor_threads=1,
             learner_device_ids=list(range(num_devices)),
             num_minibatches=num_minibatches,
-            vtrace_c_bar=0.9,
-        )
+        )  # the default flags but one minibatch (each learner device shuffles its own trajectories)
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
         tx = optax.chain(optax.identity(), optax.inject_hyperparams(optax.sgd)(learning_rate=0.1))
         state = TrainState.create(apply_fn=None, params=params, tx=tx)
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = impala.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics = impala.make_learner_fns(args, agent, mesh)(
+        state, metrics = impala.make_learner_update(args, agent, mesh)(
             impala.LearnerState(state, jax.random.key(1)), global_storage
         )
         assert metrics.keys() == {

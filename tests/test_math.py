@@ -162,9 +162,34 @@ def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
     assert "XLA_FLAGS" not in os.environ
 
 
+@pytest.mark.parametrize("num_devices", [1, 2, 4])
+def test_advantages_are_normalized_with_the_whole_minibatch_on_any_number_of_devices(num_devices):
+    """--norm-adv: each learner device standardizes its part of the minibatch with the mean and std of the valid
+    samples of the whole minibatch (NumPy's, over the concatenated parts); invalid samples count for nothing."""
+    from functools import partial
+
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(3)
+    advantages = rng.normal(2.0, 5.0, size=16).astype(np.float32)
+    valid = rng.random(16) < 0.75
+    advantages[~valid] = 1e6  # an invalid sample's value must not move the statistics
+    expected = (advantages[valid] - advantages[valid].mean()) / (advantages[valid].std() + 1e-8)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
+    normalize = jax.shard_map(
+        partial(ppo.normalize_advantages, axis_name="batch"),
+        mesh=mesh,
+        in_specs=(P("batch"),) * 2,
+        out_specs=P("batch"),
+    )
+    np.testing.assert_allclose(np.asarray(jax.jit(normalize)(advantages, valid))[valid], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_learner_update_is_the_same_on_one_and_on_two_devices():
-    """Data parallelism must not change the math: the same global batch, one minibatch, gives the same params on one
-    and on two devices; several epochs and minibatches on two devices update the params too."""
+    """Data parallelism must not change the math: with the default flags (advantages normalized over the whole
+    minibatch, 4 epochs) and one minibatch, the same global batch gives the same params on one and on two devices;
+    several minibatches on two devices update the params too."""
     import optax
     from flax.training.train_state import TrainState
     from jax.sharding import Mesh, NamedSharding
@@ -187,7 +212,9 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
-    def update(num_devices, num_minibatches=1, update_epochs=1):
+    def update(num_devices, num_minibatches=1):
+        # the default flags (advantages normalized, 4 epochs) but one minibatch: each learner device shuffles its own
+        # samples, so several minibatches hold other samples on other layouts
         args = ppo.Args(
             env_id="CartPole-v1",
             num_steps=T,
@@ -195,8 +222,6 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
             num_actor_threads=1,
             learner_device_ids=list(range(num_devices)),
             num_minibatches=num_minibatches,
-            update_epochs=update_epochs,
-            norm_adv=False,
         )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
@@ -204,7 +229,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
         state = TrainState.create(apply_fn=None, params=params, tx=tx)
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = ppo.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics = ppo.make_learner_fns(args, agent, mesh)(
+        state, metrics = ppo.make_learner_update(args, agent, mesh)(
             ppo.LearnerState(state, jax.random.key(1)), global_storage
         )
         assert "losses/policy_loss" in metrics and float(metrics["charts/learning_rate"]) == np.float32(0.1)
@@ -213,6 +238,6 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
     one_device = update(1)
     same(one_device, update(2))
-    several = update(2, num_minibatches=2, update_epochs=2)
+    several = update(2, num_minibatches=2)
     for updated in (one_device, several):  # it did update
         assert not np.allclose(jax.tree.leaves(updated[0])[0], jax.tree.leaves(params)[0])

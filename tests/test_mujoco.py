@@ -112,15 +112,15 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
     initial = jax.tree.map(np.float32, mujoco.RunningMeanStd(np.zeros(obs_dim), np.ones(obs_dim), 1e-4))
 
-    def update(num_devices, num_minibatches=1, update_epochs=1):
+    def update(num_devices, num_minibatches=1):
+        # the default flags (advantages normalized, 10 epochs) but one minibatch: each learner device shuffles its own
+        # samples, so several minibatches hold other samples on other layouts
         args = mujoco.Args(
             num_steps=T,
             local_num_envs=N,
             num_actor_threads=1,
             num_minibatches=num_minibatches,
-            update_epochs=update_epochs,
             learner_device_ids=list(range(num_devices)),
-            norm_adv=False,
         )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
@@ -134,7 +134,7 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
         )
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = mujoco.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics = mujoco.make_learner_fns(args, agent, mesh)(
+        state, metrics = mujoco.make_learner_update(args, agent, mesh)(
             mujoco.LearnerState(state, jax.random.key(1)), global_storage
         )
         assert set(metrics) == {
@@ -154,7 +154,7 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
     results = [update(1), update(2)]
     same(results[0], results[1])
-    several = update(2, num_minibatches=2, update_epochs=2)  # the Python loop over epochs and minibatches
+    several = update(2, num_minibatches=2)  # the Python loop over epochs and minibatches
     same(several[1:3], results[1][1:3])  # the statistics are updated once per update, before the epochs
     _, obs_rms, return_rms, _, _ = results[1]
     # the statistics now include the whole global rollout: every observation, the returns of valid steps
@@ -194,7 +194,7 @@ def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns(
         queue_timeout=args.queue_timeout,
     )
     make_envs = partial(mujoco.make_env, "Hopper-v4", num_envs=N)
-    mujoco.rollout(
+    mujoco.actor_loop(
         args=args,
         thread=thread,
         key=jax.random.key(1),

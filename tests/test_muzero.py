@@ -259,7 +259,7 @@ def test_resume_marks_the_newest_stored_rows():
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     agent, agent_state = muzero.make_agent(args, jax.random.key(0))
     learner = muzero.make_learner_fns(args, agent, mesh)
-    state = muzero.LearnerState(muzero.replicate(agent_state, mesh), learner.init_replay(), jax.random.key(0))
+    state = muzero.LearnerState(muzero.replicate(agent_state, mesh), jax.random.key(0), learner.init_replay())
     T, N = args.num_steps, args.local_num_envs
     rollout = muzero.Rollout(
         obs=np.zeros((T, N, 4), np.float32),

@@ -234,25 +234,28 @@ def random_rollout(rng, T=8, N=4, obs_dim=3, action_dim=2):
     )
 
 
+@pytest.mark.parametrize("advantage_estimator", ["gae", "vtrace"])
 @pytest.mark.parametrize("policy_loss", LOSSES)
-def test_every_loss_updates_the_same_on_one_and_on_two_learner_devices(policy_loss):
-    """V-trace advantages (the learner's own policy in the ratios), normalized over the whole minibatch; V-MPO's top
-    half is that of the whole minibatch, gathered from both devices."""
+def test_every_loss_updates_the_same_on_one_and_on_two_learner_devices(policy_loss, advantage_estimator):
+    """Each loss with its default flags but one minibatch (each learner device shuffles its own samples): advantages
+    normalized over the whole minibatch (V-trace's with the learner's own policy in the ratios); V-MPO's top half is
+    that of the whole minibatch, gathered from both devices."""
     storage = random_rollout(np.random.default_rng(0))
     agent = onpolicy.Agent(action_dim=2, hiddens=(8,))
     network = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
     params = onpolicy.Params(network, onpolicy.LagrangeMultipliers(*np.ones(3, np.float32)))
 
     def update(num_devices):
-        args = onpolicy.Args(
-            num_steps=8,
-            local_num_envs=4,
-            num_actor_threads=1,
-            num_minibatches=1,
-            update_epochs=2,
-            learner_device_ids=list(range(num_devices)),
-            policy_loss=policy_loss,
-            advantage_estimator="vtrace",
+        args = onpolicy.with_loss_defaults(
+            onpolicy.Args(
+                num_steps=8,
+                local_num_envs=4,
+                num_actor_threads=1,
+                num_minibatches=1,
+                learner_device_ids=list(range(num_devices)),
+                policy_loss=policy_loss,
+                advantage_estimator=advantage_estimator,
+            )
         )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         state = onpolicy.AgentState.create(
@@ -264,7 +267,7 @@ def test_every_loss_updates_the_same_on_one_and_on_two_learner_devices(policy_lo
         )
         state = jax.device_put(state, NamedSharding(mesh, P()), may_alias=False)  # the update donates it
         global_storage = onpolicy.Rollout(*[jax.device_put(x, NamedSharding(mesh, P(None, "batch"))) for x in storage])
-        state, metrics = onpolicy.make_learner_fns(args, agent, mesh)(
+        state, metrics = onpolicy.make_learner_update(args, agent, mesh)(
             onpolicy.LearnerState(state, jax.random.key(1)), global_storage
         )
         return jax.device_get((state.agent.params, metrics))
@@ -355,11 +358,9 @@ def test_bad_input_is_one_clear_line(flags, message, workdir, monkeypatch, capsy
 def test_each_loss_gets_its_default_epochs():
     for policy_loss, epochs in [("vpg", 1), ("vtrace", 1), ("ppo", 10), ("awr", 10), ("vmpo", 10)]:
         args = onpolicy.Args(policy_loss=policy_loss)
-        onpolicy.validate_args(args)
-        assert args.update_epochs == epochs, policy_loss
-    args = onpolicy.Args(policy_loss="vpg", update_epochs=4)  # a flag the user sets wins
-    onpolicy.validate_args(args)
-    assert args.update_epochs == 4
+        assert onpolicy.with_loss_defaults(args).update_epochs == epochs, policy_loss
+        assert args.update_epochs is None  # the flags as given are not changed
+    assert onpolicy.with_loss_defaults(onpolicy.Args(policy_loss="vpg", update_epochs=4)).update_epochs == 4
 
 
 # ---------------------------------------------------------------- learning

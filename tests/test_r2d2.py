@@ -245,7 +245,7 @@ def test_actor_marks_the_row_after_envpools_reset_step_as_an_episode_start():
         stop_event=threading.Event(),
         queue_timeout=1.0,
     )
-    r2d2.rollout(
+    r2d2.actor_loop(
         args=args,
         thread=thread,
         key=jax.random.key(0),
@@ -352,7 +352,7 @@ def test_replay_keeps_each_devices_envs_and_learns_priorities():
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     agent, state = r2d2.make_agent(args, jax.random.key(0))
     learner = r2d2.make_learner_fns(args, agent, mesh)
-    state = r2d2.LearnerState(r2d2.replicate(state, mesh), learner.init_replay(), jax.random.key(0))
+    state = r2d2.LearnerState(r2d2.replicate(state, mesh), jax.random.key(0), learner.init_replay())
     T, N = 4 + args.num_steps, args.local_num_envs
     rows = np.broadcast_to((100.0 * np.arange(N) + np.arange(T)[:, None])[..., None], (T, N, 4)).astype(np.float32)
     storage = r2d2.Rollout(

@@ -151,7 +151,7 @@ def test_replay_keeps_each_devices_envs_wraps_around_and_samples_consecutive_row
     mesh = Mesh(np.array(jax.devices()[:2]), ("batch",))
     agent, agent_state = sac.make_agent(args, jax.random.key(0))
     learner = sac.make_learner_fns(args, agent, mesh)
-    state = sac.LearnerState(sac.replicate(agent_state, mesh), learner.init_replay(), jax.random.key(0))
+    state = sac.LearnerState(sac.replicate(agent_state, mesh), jax.random.key(0), learner.init_replay())
     T, N = args.num_steps, args.local_num_envs
     for rollout_index in range(2):  # 16 rows per env into 12: the first 4 are overwritten
         t = rollout_index * T + np.arange(T)[:, None]

@@ -380,15 +380,38 @@ def test_actor_thread_seeds_keys_and_splits_for_the_learner_devices():
     )
     assert thread.env_seed(1, num_envs=4) - ActorThread(**{**thread.__dict__, "global_index": 4}).env_seed(1, 4) == 4
     assert thread.key(jax.random.key(0)).devices() == {devices[0]}
-    rollout = {"obs": np.arange(24).reshape(3, 4, 2), "bootstrap": np.arange(4)[None]}
-    parts = thread.split_for_learners(rollout)
-    assert [part["obs"].devices() for part in parts] == [{devices[0]}, {devices[1]}]
-    np.testing.assert_array_equal(np.concatenate([np.asarray(p["obs"]) for p in parts], axis=1), rollout["obs"])
     thread.stop_event.set()
     with pytest.raises(RunStopped):
         thread.get(queue.Queue())
     with pytest.raises(RunStopped):
         thread.check_stopped()
+
+
+@pytest.mark.parametrize("learner_device_ids", [[1, 3], [3, 1]])
+def test_the_data_path_puts_each_env_where_its_docstring_says(learner_device_ids):
+    """cleanrl_utils/data_path.py: with T threads of E envs and L learner devices, env e of thread t is at global env
+    index ((p L + l) T + t) E/L + e - l E/L (l = e // (E/L), process p = 0), and learner device l holds the global
+    envs [l T E/L, (l + 1) T E/L); the mesh takes the learner devices in the order of their ids."""
+    from cleanrl_utils.data_path import assemble_global_rollout, learner_mesh, split_for_learners
+
+    mesh, learner_devices = learner_mesh(learner_device_ids)
+    assert learner_devices == list(mesh.devices.flat) == [jax.devices()[1], jax.devices()[3]]
+    num_threads, num_envs, num_learners = 3, 4, 2
+    per_learner = num_envs // num_learners
+    # each thread's rollout: (time 2, envs E, 1) holding 100 t + e
+    rollouts = [{"env": np.tile((100 * t + np.arange(num_envs))[None, :, None], (2, 1, 1))} for t in range(3)]
+    parts = [split_for_learners(rollout, learner_devices) for rollout in rollouts]
+    assert [part["env"].devices() for part in parts[0]] == [{device} for device in learner_devices]
+    global_rollout = assemble_global_rollout(parts, mesh, num_threads * num_envs)
+    expected = np.empty(num_threads * num_envs)
+    for t in range(num_threads):
+        for e in range(num_envs):
+            learner = e // per_learner
+            expected[(learner * num_threads + t) * per_learner + e - learner * per_learner] = 100 * t + e
+    np.testing.assert_array_equal(np.asarray(global_rollout["env"])[0, :, 0], expected)
+    for learner, shard in enumerate(sorted(global_rollout["env"].addressable_shards, key=lambda x: x.index[1].start)):
+        assert shard.device == learner_devices[learner]
+        np.testing.assert_array_equal(np.asarray(shard.data)[0, :, 0], np.split(expected, num_learners)[learner])
 
 
 def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):
