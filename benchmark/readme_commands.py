@@ -1,16 +1,20 @@
-"""Run the README's CPU command of each algorithm over seeds: what each seed reaches, how long it takes, and a figure.
+"""Run the README's CPU commands over seeds: what each seed reaches, how long it takes, and a figure.
 
-    uv run python benchmark/readme_commands.py --algorithms ppo impala sac --seeds 1 2 3 4 5
+    uv run python benchmark/readme_commands.py --algorithms ppo impala sac --seeds 1 2 3 4 5 6 7 8 9 10
 
-Each command is read from README.md (the bash block that runs the algorithm's script; for PPO the quick start's) and
-run as written plus `--seed S --exp-name readme_{algorithm}`, one run at a time, so the wall times are those of a
-quiet machine. A seed passes when its best average return over a window of consecutive env steps (10k on CartPole,
-2k on Pendulum, 20k on HalfCheetah) reaches the algorithm's threshold (THRESHOLDS, with its source); the final
-average (the last window) is recorded too. Each run appends a JSON line to --results; each algorithm's table
-(Markdown, for its docs page) is printed and its figure, every seed's curve with the threshold, is written to
-static/readme_{algorithm}_seeds.png. `--table-only` draws and prints from the runs recorded in --results.
+Each command is read from README.md (each bash block line that runs a script in cleanba/ on the CPU): the first of
+each script is named after its algorithm (for PPO the quick start's), the others `{algorithm}@{env id}` (e.g.
+`ppo@MiniGrid-Empty-5x5-v0`). It runs as written plus `--seed S --exp-name readme_{name}`, one run at a time, so the
+wall times are those of a quiet machine; `--extra-flags` appends flags (a variant of the command, recorded with it).
+A seed passes when its best average return over a window of consecutive env steps (10k on CartPole, 2k on Pendulum,
+20k on HalfCheetah, ...) reaches the command's threshold (THRESHOLDS, with its source); the final average (the last
+window) is recorded too. Each run appends a JSON line to --results (with the processor and the date); each command's
+table (Markdown, for its docs page: the rate of seeds that pass and the worst seed's best window) is printed and its
+figure, every seed's curve with the threshold, is written to static/readme_{name}_seeds.png. `--table-only` draws and
+prints from the runs recorded in --results.
 """
 
+import datetime
 import json
 import platform
 import re
@@ -43,6 +47,7 @@ THRESHOLDS = {
     "Pendulum-v1": (-250.0, "issue #28's bar for Pendulum (a random policy averages about -1200)", 2_048),
     # reaching the goal in the fewest steps (5) pays 1 - 0.9 x 5 / 100 = 0.955 (MiniGrid's reward); random play ~0.2
     "MiniGrid-Empty-5x5": (0.9, "issue #29's bar for MiniGrid-Empty-5x5 (the best return is 0.955)", 10_240),
+    "MiniGrid-Empty-5x5-v0": (0.9, "issue #29's bar for MiniGrid-Empty-5x5 (the best return is 0.955)", 10_240),
     # +1 per step while the pole is up, 1000 at most; random actions about 8
     "InvertedPendulum-v4": (500.0, "the MuJoCo PPO script's InvertedPendulum test bar (the pole up 500 steps)", 5_120),
     "HalfCheetah-v4": (
@@ -58,8 +63,10 @@ TAG = "charts/avg_episodic_return"
 class Args:
     algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin,
-    onpolicy_continuous_action"""
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    onpolicy_continuous_action, or `{algorithm}@{env id}` for a script's further README command"""
+    seeds: list[int] = field(default_factory=lambda: list(range(1, 11)))
+    extra_flags: list[str] = field(default_factory=list)
+    """flags appended to each command (a variant: recorded with the runs, its table and figure named apart)"""
     results: str = "benchmark/results/readme_commands.jsonl"
     """one JSON line per run is appended here"""
     readme: str = "README.md"
@@ -80,13 +87,25 @@ def readme_training_commands(readme: str) -> list[str]:
 
 
 def readme_commands(readme: str) -> dict[str, str]:
-    """algorithm -> its CPU command in the README: the first that runs its script."""
+    """name -> a CPU command in the README: the algorithm for the first that runs its script, `{algorithm}@{env id}`
+    for the others."""
     commands = {}
     for command in readme_training_commands(readme):
         for algorithm, script in SCRIPTS.items():
             if f"cleanba/{script}" in command:
-                commands.setdefault(algorithm, command)
+                commands[algorithm if algorithm not in commands else f"{algorithm}@{env_id_of(command)}"] = command
     return commands
+
+
+def processor() -> str:
+    """The CPU's model name (a seed's run depends on it: XLA's CPU code differs between processors)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int]:
@@ -103,21 +122,23 @@ def env_id_of(command: str) -> str:
     return shlex.split(command)[shlex.split(command).index("--env-id") + 1]
 
 
-def run_seed(algorithm: str, command: str, seed: int) -> dict:
-    exp_name = f"readme_{algorithm}"
+def run_seed(name: str, command: str, seed: int) -> dict:
+    exp_name = "readme_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
     argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
     print(f"running: {shlex.join(argv)}", flush=True)
     start = time.time()
     process = subprocess.run(argv, capture_output=True, text=True)
     wall = time.time() - start
     if process.returncode != 0:
-        sys.exit(f"error: {algorithm} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
+        sys.exit(f"error: {name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
     return {
-        "algorithm": algorithm,
+        "algorithm": name,
         "seed": seed,
         "command": command,
+        "processor": processor(),
+        "date": datetime.date.today().isoformat(),
         "wall_s": round(wall, 1),
         "last": last_update,
         "run_dir": str(run_dir),
@@ -148,6 +169,7 @@ def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
 def print_table(algorithm: str, env_id: str, rows: list[dict]):
     threshold, source, window = THRESHOLDS[env_id]
     print(f"\n{algorithm} on {env_id}: threshold {threshold:g} ({source}); windows of {window:,} env steps")
+    print(f"command: {rows[0]['command']}")
     print("| seed | best window average (from step) | final window average | first logged >= threshold | wall time |")
     print("|---|---|---|---|---|")
     decimals = 3 if abs(threshold) < 10 else 1  # MiniGrid's returns are below 1
@@ -157,9 +179,12 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
         print(f"| {row['seed']} | {best} ({row['best_from']:,}) | {final} | {reached} | {row['wall_s']:.0f} s |")
     passed = sum(row["passed"] for row in rows)
     walls = [row["wall_s"] for row in rows]
+    worst = min(rows, key=lambda row: row["best"])
+    where = {(row.get("processor", "?"), row.get("date", "?")) for row in rows}
     print(
-        f"\n{passed} of {len(rows)} seeds reach {threshold:g}; wall time {min(walls):.0f}-{max(walls):.0f} s "
-        f"({platform.machine()}, one run at a time)"
+        f"\n{passed} of {len(rows)} seeds reach {threshold:g}, the worst seed's best window "
+        f"{worst['best']:,.{decimals}f} (seed {worst['seed']}); wall time {min(walls):.0f}-{max(walls):.0f} s, "
+        "one run at a time, on " + "; ".join(f"{cpu} ({date})" for cpu, date in sorted(where))
     )
 
 
@@ -176,19 +201,20 @@ def draw(algorithm: str, env_id: str, rows: list[dict]):
     axis.legend(fontsize=8, loc="best")
     axis.set_title(f"{algorithm}: the README command on {env_id}, {len(rows)} seeds, 2-core CPU", fontsize=10)
     figure.tight_layout()
-    save(figure, f"static/readme_{algorithm}_seeds.png")
+    save(figure, f"static/readme_{re.sub(r'[^A-Za-z0-9._-]', '_', algorithm)}_seeds.png")
 
 
 def main(args: Args):
-    unknown = sorted(set(args.algorithms) - set(SCRIPTS))
+    unknown = sorted(a for a in args.algorithms if a.split("@")[0] not in SCRIPTS)
     if unknown:
-        fail(f"--algorithms: unknown {unknown}; expected any of {list(SCRIPTS)}")
+        fail(f"--algorithms: unknown {unknown}; expected any of {list(SCRIPTS)} (or ALGORITHM@ENV_ID)")
     commands = readme_commands(args.readme)
     missing = [a for a in args.algorithms if a not in commands]
     if missing:
-        fail(f"--readme: {args.readme} has no command for {missing}")
-    for algorithm in args.algorithms:
-        command = commands[algorithm]
+        fail(f"--readme: {args.readme} has no command for {missing} (it has {list(commands)})")
+    for name in args.algorithms:
+        command = " ".join([commands[name], *args.extra_flags])
+        algorithm = name if not args.extra_flags else f"{name}+{'_'.join(args.extra_flags).lstrip('-')}"
         records: dict[int, dict] = {}
         if args.table_only:
             for line in Path(args.results).read_text().splitlines():

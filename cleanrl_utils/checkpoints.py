@@ -99,6 +99,15 @@ def _keys_to_data(tree):
     return jax.tree.map(data, tree)
 
 
+def _key_template(key):
+    """What a typed key restores as: its data with the key's sharding where that is a mesh's, else on the host."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    data = jax.random.key_data(key)
+    return data if isinstance(getattr(data, "sharding", None), NamedSharding) else np.asarray(data)
+
+
 def check_shared_folder(path: str):
     """Every process must see the folder process 0 writes to; else a UsageError in every process."""
     import jax
@@ -335,9 +344,10 @@ class Checkpoints:
                         f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run "
                         f"has {value}; use the checkpoint's value or another --run-name"
                     )
-            # keys as their data where each leaf lives: every leaf restores into this run's layout (a replicated
-            # key too, also from a checkpoint that other processes wrote)
-            template = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, state)
+            # keys as their data: on the mesh where they live on it (a replicated key restores into this run's
+            # layout, also from a checkpoint that other processes wrote), else on the host (a key on no mesh is not
+            # committed to a device: jit places it)
+            template = jax.tree.map(lambda x: _key_template(x) if _is_key(x) else x, state)
             check_shapes(meta, jax.tree.leaves(template), path)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
             with _stderr_held():

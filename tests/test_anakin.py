@@ -251,7 +251,7 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
     shutil.copytree(shared, one_process)
     shutil.rmtree(one_process / "10")
     flags = [*flags, "--learner-device-ids", "0", "1", "--checkpoint-dir", str(one_process)]
-    one = run_script(flags, workdir, "one", script=ANAKIN_SCRIPT)
+    one = run_script(flags, workdir, "two", script=ANAKIN_SCRIPT)  # the run's own name, in the working directory
     assert one.returncode == 0, one.stderr[-3000:]
     resumed = DIGESTS.search(re.search(r"resumed from checkpoint: update=5 .*", one.stdout).group(0)).groups()
     assert resumed == saved
