@@ -477,10 +477,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         key, shuffle_key = jax.random.split(key)
         permutation = shuffle(shuffle_key)
         metrics = []
-        for minibatch_index in range(args.num_minibatches):
-            agent_state, minibatch_metrics = minibatch_update(
-                agent_state, storage, permutation, jnp.int32(minibatch_index)
-            )
+        for index in range(args.num_minibatches):
+            agent_state, minibatch_metrics = minibatch_update(agent_state, storage, permutation, jnp.int32(index))
             metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]

@@ -1,18 +1,16 @@
 """Sebulba's configurable on-policy agent (SEED RL's, after Andrychowicz et al. 2021, "What matters in on-policy
 reinforcement learning?"): one Gaussian actor-critic whose policy loss is a flag, `--policy-loss {vpg,ppo,vtrace,
-awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`; everything else (system,
-networks, normalization, optimizer, epochs and minibatches) is held equal, so one script runs the study's comparison.
+awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`; the system, networks,
+normalization and optimizer are held equal, each loss with its own learning rate, epochs and minibatches.
 
-It is the MuJoCo PPO script (cleanba_ppo_continuous_action_envpool_mujoco.py: its docstring describes the Sebulba
-system, the Gaussian policy and the running normalization) with the losses added; `diff` the two to see them. Each
-loss is a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
-- vpg: the policy gradient, -A log pi(a|s) (Williams 1992), one epoch by default;
+It is the MuJoCo PPO script (whose docstring describes the system, the policy and the normalization) with the losses
+added: `diff` the two. Each is a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
+- vpg: the policy gradient, -A log pi(a|s) (Williams 1992);
 - ppo: the clipped surrogate of the MuJoCo PPO script (Schulman et al. 2017), the same function;
 - vtrace: IMPALA's policy gradient, -min(rho_bar, pi/mu) A log pi(a|s) (Espeholt et al. 2018, Sec. 4.2);
 - awr: advantage-weighted regression, -min(exp(A / beta), max_weight) log pi(a|s) (Peng et al. 2019, Sec. 3);
-- vmpo: V-MPO's E-step (softmax of A / eta over the top half of the advantages) and M-step (weighted maximum
-  likelihood under KL constraints on the Gaussian's mean and std), eta and the KL multipliers learned as Lagrange
-  multipliers (Song et al. 2019, Sec. 3-4), from rlax's V-MPO functions.
+- vmpo: V-MPO's E-step (softmax of A / eta over the top half of the advantages) and M-step (weighted maximum likelihood
+  under KL bounds on the Gaussian's mean and std), eta and the KL multipliers learned (Song et al. 2019, Sec. 3-4).
 The value loss, entropy bonus and approx-KL are the PPO script's for every loss.
 """
 
@@ -67,26 +65,23 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
-    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)
-    (in [1, 2**53])"""
-    learning_rate: float = 3e-4
-    """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
+    """total agent steps, summed over all envs and processes (PPO paper, Sec. 6.1: 1M) (in [1, 2**53])"""
+    learning_rate: float | None = None
+    """the learning rate of Adam; unset: the policy loss's own (LOSS_DEFAULTS) (positive, finite)"""
     local_num_envs: int = 4
     """the number of parallel game environments of each actor thread (positive)"""
     num_steps: int = 256
-    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)
-    (positive)"""
+    """the steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
     anneal_lr: bool = True
     """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
     gamma: float = 0.99
     """the discount factor gamma (PPO paper, Table 3) (in [0, 1])"""
     gae_lambda: float = 0.95
     """the lambda for the general advantage estimation (PPO paper, Table 3) (in [0, 1])"""
-    num_minibatches: int = 32
-    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64) (positive)"""
+    num_minibatches: int | None = None
+    """the number of mini-batches per epoch; unset: the policy loss's own (LOSS_DEFAULTS) (positive)"""
     update_epochs: int | None = None
-    """the K epochs to update the policy: 10 for ppo, awr and vmpo (PPO paper, Table 3), 1 for vpg and vtrace, whose
-    gradients hold for the rollout's policy only and whose steps nothing bounds (IMPALA: one pass) (positive)"""
+    """the K epochs to update the policy; unset: the policy loss's own (LOSS_DEFAULTS) (positive)"""
     norm_adv: bool = True
     """toggles advantages normalization (with the mean and std of the whole minibatch, over every learner device)"""
     clip_coef: float = 0.2
@@ -96,8 +91,7 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     ent_coef: float = 0.0
     """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
     vf_coef: float = 0.5
-    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)
-    (non-negative, finite)"""
+    """the value loss's weight (baselines' PPO2: it counts in the gradient clip) (non-negative, finite)"""
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
@@ -122,11 +116,21 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """V-MPO's bound on the KL of the std's change per update (Song et al. 2019, as above: 5e-5) (positive, finite)"""
 
 
+# each policy loss's own learning rate, epochs and minibatches, for the flags a run leaves unset: their sources and the
+# sweep they were chosen over are on docs/rl-algorithms/onpolicy_continuous_action.md#defaults-and-the-papers
+LOSS_DEFAULTS = {
+    "vpg": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32),
+    "ppo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
+    "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32),
+    "awr": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
+    "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
+}
+
+
 def with_loss_defaults(args: Args) -> Args:
     """The flags with the policy loss's own defaults where none was given (the run folder's flags say which)."""
-    if args.update_epochs is None:
-        return dataclasses.replace(args, update_epochs=1 if args.policy_loss in ("vpg", "vtrace") else 10)
-    return args
+    unset = {name: value for name, value in LOSS_DEFAULTS[args.policy_loss].items() if getattr(args, name) is None}
+    return dataclasses.replace(args, **unset)
 
 
 def validate_args(args: Args):
@@ -301,14 +305,9 @@ class AgentState(TrainState):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    envpool returns the true last observation of an episode together with its end flag and resets
-    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
-    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
-    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
-    transition after it is envpool's reset step (masked out of the loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays, the MuJoCo PPO script's:
+    a termination stops the bootstrap, a time-limit truncation bootstraps from the value of the truncated state, and
+    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -696,10 +695,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         for _ in range(args.update_epochs):
             key, shuffle_key = jax.random.split(key)
             permutation = shuffle(shuffle_key)
-            for minibatch_index in range(args.num_minibatches):
-                agent_state, minibatch_metrics = minibatch_update(
-                    agent_state, batch, permutation, jnp.int32(minibatch_index)
-                )
+            for index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation, jnp.int32(index))
                 metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
@@ -752,15 +749,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    check_int32_counts(
-        args,
-        {
-            "optimizer steps": (
-                "--update-epochs x --num-minibatches",  # the schedule's count
-                args.update_epochs * args.num_minibatches,
-            )
-        },
-    )
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    check_int32_counts(args, {"optimizer steps": schedule})
 
 
 def state_summary(state: LearnerState) -> str:

@@ -545,15 +545,8 @@ def check_runtime_values(args: Args, layout: DeviceLayout):
     importing xminigrid starts JAX's backend (its constants are arrays), so its ids are checked once the devices and
     jax.distributed have started, in every process."""
     check_env_id(args.env_id)
-    check_int32_counts(
-        args,
-        {
-            "optimizer steps": (
-                "--update-epochs x --num-minibatches",  # the schedule's count
-                args.update_epochs * args.num_minibatches,
-            )
-        },
-    )
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    check_int32_counts(args, {"optimizer steps": schedule})
 
 
 def state_summary(state: LearnerState) -> str:

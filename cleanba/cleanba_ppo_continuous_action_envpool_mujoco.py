@@ -68,15 +68,13 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
     total_timesteps: int = 1_000_000
-    """total timesteps of the experiments (agent steps, summed over all envs and processes; PPO paper Sec. 6.1: 1M)
-    (in [1, 2**53])"""
+    """total agent steps, summed over all envs and processes (PPO paper, Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4
     """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
     local_num_envs: int = 4
     """the number of parallel game environments of each actor thread (positive)"""
     num_steps: int = 256
-    """the number of steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3)
-    (positive)"""
+    """the steps of each rollout: 2 threads x 4 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
     anneal_lr: bool = True
     """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
     gamma: float = 0.99
@@ -96,8 +94,7 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     ent_coef: float = 0.0
     """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
     vf_coef: float = 0.5
-    """coefficient of the value function (baselines' PPO2; separate networks: it weighs it in the norm clipping)
-    (non-negative, finite)"""
+    """the value loss's weight (baselines' PPO2: it counts in the gradient clip) (non-negative, finite)"""
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
@@ -511,10 +508,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         for _ in range(args.update_epochs):
             key, shuffle_key = jax.random.split(key)
             permutation = shuffle(shuffle_key)
-            for minibatch_index in range(args.num_minibatches):
-                agent_state, minibatch_metrics = minibatch_update(
-                    agent_state, batch, permutation, jnp.int32(minibatch_index)
-                )
+            for index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation, jnp.int32(index))
                 metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
@@ -565,15 +560,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    check_int32_counts(
-        args,
-        {
-            "optimizer steps": (
-                "--update-epochs x --num-minibatches",  # the schedule's count
-                args.update_epochs * args.num_minibatches,
-            )
-        },
-    )
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    check_int32_counts(args, {"optimizer steps": schedule})
 
 
 def state_summary(state: LearnerState) -> str:

@@ -515,10 +515,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         for _ in range(args.update_epochs):
             key, shuffle_key = jax.random.split(key)
             permutation = shuffle(shuffle_key)
-            for minibatch_index in range(args.num_minibatches):
-                agent_state, minibatch_metrics = minibatch_update(
-                    agent_state, batch, permutation, jnp.int32(minibatch_index)
-                )
+            for index in range(args.num_minibatches):
+                agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation, jnp.int32(index))
                 metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
@@ -563,15 +561,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    check_int32_counts(
-        args,
-        {
-            "optimizer steps": (
-                "--update-epochs x --num-minibatches",  # the schedule's count
-                args.update_epochs * args.num_minibatches,
-            )
-        },
-    )
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    check_int32_counts(args, {"optimizer steps": schedule})
 
 
 def state_summary(state: LearnerState) -> str:

@@ -24,6 +24,8 @@ from conftest import (
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from cleanrl_utils.cli import parse_flags
+
 onpolicy = load_script(ONPOLICY_SCRIPT)
 LOSSES = ["vpg", "ppo", "vtrace", "awr", "vmpo"]
 MODEL = "cleanba_onpolicy_continuous_action_envpool_mujoco.cleanrl_model"
@@ -355,12 +357,16 @@ def test_bad_input_is_one_clear_line(flags, message, workdir, monkeypatch, capsy
     assert line.startswith(f"error: {message}"), line
 
 
-def test_each_loss_gets_its_default_epochs():
-    for policy_loss, epochs in [("vpg", 1), ("vtrace", 1), ("ppo", 10), ("awr", 10), ("vmpo", 10)]:
+def test_each_loss_gets_its_own_learning_rate_epochs_and_minibatches_unless_a_flag_sets_them():
+    for policy_loss, defaults in onpolicy.LOSS_DEFAULTS.items():
         args = onpolicy.Args(policy_loss=policy_loss)
-        assert onpolicy.with_loss_defaults(args).update_epochs == epochs, policy_loss
-        assert args.update_epochs is None  # the flags as given are not changed
-    assert onpolicy.with_loss_defaults(onpolicy.Args(policy_loss="vpg", update_epochs=4)).update_epochs == 4
+        resolved = onpolicy.with_loss_defaults(args)
+        assert {name: getattr(resolved, name) for name in defaults} == defaults, policy_loss
+        assert args.learning_rate is None and args.update_epochs is None  # the flags as given are not changed
+        flags = ["--policy-loss", policy_loss, "--update-epochs", "4"]
+        given = onpolicy.with_loss_defaults(parse_flags(onpolicy.Args, flags))
+        assert given.update_epochs == 4 and given.learning_rate == defaults["learning_rate"]
+    assert set(onpolicy.LOSS_DEFAULTS) == set(LOSSES)
 
 
 # ---------------------------------------------------------------- learning

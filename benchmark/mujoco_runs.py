@@ -1,0 +1,193 @@
+"""MuJoCo runs over env ids x variants x seeds at CleanRL's scale (1M steps), with a table beside CleanRL's published
+ppo_continuous_action returns and a figure: the MuJoCo PPO script's own table, and the configurable on-policy agent's
+comparison of policy losses (Andrychowicz et al. 2021).
+
+    # the MuJoCo PPO script's defaults on CleanRL's six MuJoCo v4 tasks, seeds 1-3
+    uv run python benchmark/mujoco_runs.py --script ppo_continuous_action \\
+        --results benchmark/results/mujoco_ppo.jsonl --output static/mujoco_ppo.png
+    # each policy loss with its own defaults on HalfCheetah-v4 and Hopper-v4
+    uv run python benchmark/mujoco_runs.py --script onpolicy --variants vpg ppo vtrace awr vmpo \\
+        --env-ids HalfCheetah-v4 Hopper-v4
+    uv run python benchmark/mujoco_runs.py ... --table-only        # the table and figure from --results
+
+A variant of the on-policy script is its `--policy-loss`; of the MuJoCo PPO script, `default` (no flag) or any flags
+given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name mujoco_{script}_{variant}` plus --flags (default:
+one actor thread of 8 envs, the same 2048-step batch as the defaults' 2 threads x 4 envs with one busy thread per core
+here; a0-l1; every update logged). A run's final return is the mean of its last 10 logged `charts/avg_episodic_return`
+(with every update logged, the last 20,480 env steps). Each run appends a JSON line (with the processor and the date)
+to --results; the Markdown table (mean ± std over seeds per variant and env, beside CleanRL's, marking a mean more
+than two of CleanRL's standard deviations below CleanRL's mean) is printed and the figure (mean over seeds, min-max
+band, CleanRL's mean as a line) is written to --output.
+"""
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plot import fail, find_runs, mean_and_spread, plt, read_run, save  # noqa: E402
+from readme_commands import processor  # noqa: E402
+
+SCRIPTS = {
+    "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
+    "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
+}
+# CleanRL's docs, docs/benchmark/ppo_continuous_action.md (openrlbenchmark, tag pr-424): ppo_continuous_action on
+# MuJoCo v4 after 1M steps, mean ± std over its 3 seeds
+CLEANRL_PPO = {
+    "HalfCheetah-v4": (1442.64, 46.03),
+    "Walker2d-v4": (2287.95, 571.78),
+    "Hopper-v4": (2382.86, 271.74),
+    "InvertedPendulum-v4": (963.09, 22.20),
+    "Humanoid-v4": (716.11, 49.08),
+    "Pusher-v4": (-40.38, 7.15),
+}
+FINAL_WINDOW = 10
+LAYOUT = "--num-actor-threads 1 --local-num-envs 8 --actor-device-ids 0 --learner-device-ids 1 --log-frequency 1"
+
+
+@dataclass
+class Args:
+    script: str = "onpolicy"
+    """ppo_continuous_action or onpolicy"""
+    env_ids: list[str] = field(default_factory=lambda: list(CLEANRL_PPO))
+    variants: list[str] = field(default_factory=lambda: ["default"])
+    """the on-policy script's --policy-loss values; for both scripts `default` (no flag) or NAME=FLAGS"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    total_timesteps: int = 1_000_000
+    flags: str = f"{LAYOUT} --checkpoint-frequency 0"
+    """the script's other flags, one string"""
+    results: str = "benchmark/results/onpolicy_losses.jsonl"
+    output: str = "static/onpolicy_losses.png"
+    table_only: bool = False
+
+
+def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
+    """(name, flags) of a variant."""
+    if "=" in variant:
+        name, flags = variant.split("=", 1)
+        return name, flags.split()
+    if variant == "default":
+        return variant, []
+    if script == "onpolicy":
+        return variant, ["--policy-loss", variant]
+    fail(f"--variants: {variant!r} is not `default` or NAME=FLAGS")
+
+
+def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
+    name, flags = variant_flags(args.script, variant)
+    exp_name = f"mujoco_{args.script}_{name}"
+    command = [
+        *("uv", "run", "python", SCRIPTS[args.script], "--env-id", env_id, "--seed", str(seed), *flags),
+        *("--exp-name", exp_name, "--total-timesteps", str(args.total_timesteps), *args.flags.split()),
+    ]
+    started = time.time()
+    completed = subprocess.run(command, capture_output=True, text=True)
+    wall = time.time() - started
+    if completed.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{completed.stderr[-3000:]}")
+    run_dir = find_runs("runs", env_id, exp_name)[seed]
+    _, _, returns = read_run(run_dir, "charts/avg_episodic_return")
+    return {
+        "script": args.script,
+        "env_id": env_id,
+        "variant": name,
+        "seed": seed,
+        "command": " ".join(command),
+        "final_return": float(returns[-FINAL_WINDOW:].mean()),
+        "best_return": float(returns.max()),
+        "last_return": float(returns[-1]),
+        "wall_s": round(wall, 1),
+        "run_dir": str(run_dir),
+        "processor": processor(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def table(records: list[dict], env_ids: list[str], variants: list[str]) -> str:
+    lines = [
+        "| variant | " + " | ".join(f"{env_id} (final, mean ± std over seeds)" for env_id in env_ids) + " |",
+        "|---|" + "---|" * len(env_ids),
+    ]
+    for variant in variants:
+        cells = []
+        for env_id in env_ids:
+            finals = [r["final_return"] for r in records if r["env_id"] == env_id and r["variant"] == variant]
+            if not finals:
+                cells.append("-")
+                continue
+            cell = f"{np.mean(finals):,.1f} ± {np.std(finals):,.1f} (n={len(finals)})"
+            if env_id in CLEANRL_PPO and np.mean(finals) < CLEANRL_PPO[env_id][0] - 2 * CLEANRL_PPO[env_id][1]:
+                cell += " **below**"  # more than two of CleanRL's standard deviations under its mean
+            cells.append(cell)
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    published = " | ".join(
+        f"{m:,.2f} ± {s:,.2f}" if (m, s) else "-" for m, s in (CLEANRL_PPO.get(e, ()) for e in env_ids)
+    )
+    lines.append(f"| CleanRL ppo_continuous_action (published, 3 seeds) | {published} |")
+    where = sorted({(r.get("processor", "?"), r.get("date", "?")) for r in records})
+    lines.append("\nRun on " + "; ".join(f"{cpu} ({date})" for cpu, date in where) + ", one run at a time.")
+    return "\n".join(lines)
+
+
+def figure(records: list[dict], env_ids: list[str], variants: list[str], title: str, output: str):
+    columns = min(len(env_ids), 3)
+    rows = -(-len(env_ids) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
+    for ax, env_id in zip(axes.flat, env_ids):
+        for variant in variants:
+            runs = [Path(r["run_dir"]) for r in records if r["env_id"] == env_id and r["variant"] == variant]
+            if not runs:
+                continue
+            series = [read_run(run, "charts/avg_episodic_return") for run in runs]
+            grid, mean, low, high = mean_and_spread([s[0] for s in series], [s[2] for s in series])
+            (line,) = ax.plot(grid, mean, label=f"{variant} ({len(runs)} seeds)")
+            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
+        if env_id in CLEANRL_PPO:
+            published = CLEANRL_PPO[env_id][0]
+            ax.axhline(
+                published, color="black", linestyle="--", linewidth=1, label=f"CleanRL PPO at 1M ({published:g})"
+            )
+        ax.set(title=env_id, xlabel="env steps", ylabel="average episodic return")
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(env_ids) :]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title}\n(2-core CPU; mean over seeds, band: min-max)")
+    fig.tight_layout()
+    save(fig, output)
+
+
+def main(args: Args):
+    if args.script not in SCRIPTS:
+        fail(f"--script must be one of {list(SCRIPTS)}, got {args.script!r}")
+    names = [variant_flags(args.script, variant)[0] for variant in args.variants]
+    results = Path(args.results)
+    if not args.table_only:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        for env_id in args.env_ids:
+            for variant in args.variants:
+                for seed in args.seeds:
+                    record = run_one(args, env_id, variant, seed)
+                    print(json.dumps(record), flush=True)
+                    with results.open("a") as file:
+                        file.write(json.dumps(record) + "\n")
+    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    # the newest record of each (env, variant, seed) of this script
+    records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}
+    records = [r for (env_id, _, seed), r in records.items() if env_id in args.env_ids and seed in args.seeds]
+    print(table(records, args.env_ids, names))
+    title = (
+        "MuJoCo PPO" if args.script == "ppo_continuous_action" else "Policy losses of the configurable on-policy agent"
+    )
+    figure(records, args.env_ids, names, title[args.script], args.output)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
