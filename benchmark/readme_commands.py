@@ -65,8 +65,9 @@ class Args:
     """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin,
     onpolicy_continuous_action, or `{algorithm}@{env id}` for a script's further README command"""
     seeds: list[int] = field(default_factory=lambda: list(range(1, 11)))
-    extra_flags: list[str] = field(default_factory=list)
-    """flags appended to each command (a variant: recorded with the runs, its table and figure named apart)"""
+    extra_flags: str = ""
+    """flags appended to each command, one string (`--extra-flags="--rmsprop-eps 1e-5"`): a variant, recorded with
+    the runs, its table and figure named apart"""
     results: str = "benchmark/results/readme_commands.jsonl"
     """one JSON line per run is appended here"""
     readme: str = "README.md"
@@ -213,8 +214,9 @@ def main(args: Args):
     if missing:
         fail(f"--readme: {args.readme} has no command for {missing} (it has {list(commands)})")
     for name in args.algorithms:
-        command = " ".join([commands[name], *args.extra_flags])
-        algorithm = name if not args.extra_flags else f"{name}+{'_'.join(args.extra_flags).lstrip('-')}"
+        extra = shlex.split(args.extra_flags)
+        command = " ".join([commands[name], *extra])
+        algorithm = name if not extra else f"{name}+{'_'.join(extra).lstrip('-')}"
         records: dict[int, dict] = {}
         if args.table_only:
             for line in Path(args.results).read_text().splitlines():
