@@ -609,6 +609,16 @@ def replay_item(args: Args) -> Rollout:
     return Rollout(obs, jnp.zeros(length, jnp.int32), floats, floats, floats, flags, flags, state, state)
 
 
+def replay_shard_specs(local_buffer, item: Rollout):
+    """The replay over the mesh: a device's experience, (1, capacity, ...), and its sum tree's 1-D nodes are sharded
+    over the devices; the write position and the largest priority are the same on every device."""
+    shard = jax.eval_shape(local_buffer.init, item)
+    tree_specs = shard.sum_tree_state.replace(nodes=P("batch"), max_recorded_priority=P())
+    counters = dict.fromkeys(["current_index", "is_full", "running_index"], P())
+    experience = Rollout(*[P(None, "batch")] * len(Rollout._fields))
+    return shard.replace(experience=experience, sum_tree_state=tree_specs, **counters)
+
+
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices; each device keeps
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
@@ -618,13 +628,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     num_devices, capacity = mesh.devices.size, replay_capacity(args, mesh.devices.size)
     local_buffer = make_replay_buffer(args, num_devices)
     item = replay_item(args)
-    # a device's shard: the item buffer's experience is (1, capacity, ...) and its sum tree's nodes are 1-D: those
-    # axes are sharded over the devices; the write position and the largest priority are the same on every device
-    shard = jax.eval_shape(local_buffer.init, item)
-    tree_specs = shard.sum_tree_state.replace(nodes=sharded_samples, max_recorded_priority=replicated)
-    counters = dict.fromkeys(["current_index", "is_full", "running_index"], replicated)
-    replay_specs = shard.replace(experience=rollout_specs, sum_tree_state=tree_specs, **counters)
-
+    replay_specs = replay_shard_specs(local_buffer, item)
     # check_vma=False: flashbax's sum tree mixes per-device and replicated values in its loops, which shard_map's
     # type check refuses; the psums below are explicit (no implicit sum of the gradients either way)
     shard_map = partial(jax.shard_map, mesh=mesh, check_vma=False)
@@ -634,8 +638,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         return jax.jit(jax.shard_map(lambda: local_buffer.init(item), mesh=mesh, in_specs=(), out_specs=replay_specs))()
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
-        """Per device: append the sequences of its envs to its replay shard, then --replay-ratio x batch gradient
-        steps, each sampling by priority from this shard and writing back the new priorities."""
+        """Per device: its envs' sequences into its replay shard, then --replay-ratio x batch gradient steps, each
+        sampling by priority from this shard and writing back the new priorities."""
         replay = local_buffer.add(replay, cut_sequences(storage, args.sequence_length))
         if not train:
             return agent_state, replay, {}
@@ -646,11 +650,10 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
             stored = jnp.where(replay.is_full, capacity, replay.current_index)
             minibatch = Minibatch(sample.experience, stored * sample.probabilities)
             agent_state, metrics, priorities = local_gradient_step(agent_state, minibatch)
-            replay = local_buffer.set_priorities(replay, sample.indices, priorities)
+            tree = local_buffer.set_priorities(replay, sample.indices, priorities).sum_tree_state
             # new sequences get the largest priority of all shards: the same on every device
-            tree = replay.sum_tree_state
-            largest = jax.lax.pmax(tree.max_recorded_priority, "batch")
-            return (agent_state, replay.replace(sum_tree_state=tree.replace(max_recorded_priority=largest))), metrics
+            tree = tree.replace(max_recorded_priority=jax.lax.pmax(tree.max_recorded_priority, "batch"))
+            return (agent_state, replay.replace(sum_tree_state=tree)), metrics
 
         keys = jax.random.split(key, args.gradient_steps)
         (agent_state, replay), metrics = jax.lax.scan(step, (agent_state, replay), keys)

@@ -142,9 +142,12 @@ def outlive_peers(timeout: float = 10.0):
         time.sleep(0.25)
 
 
-def peer_failure_line() -> str | None:
-    """The one line a survivor ends with when a peer ended first, or None when every peer is still there."""
-    gone = gone_processes()
+def peer_failure_line(wait: float = 3.0) -> str | None:
+    """The one line a survivor ends with when a peer ended first, or None when every peer is still there after `wait`
+    seconds (a peer that is dying may close its collective's connection before its liveness socket)."""
+    deadline = time.time() + wait
+    while not (gone := gone_processes()) and time.time() < deadline:
+        time.sleep(0.2)
     if not gone:
         return None
     import jax
