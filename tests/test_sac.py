@@ -349,7 +349,7 @@ def test_pendulum_reaches_minus_250(workdir):
     run = run_script(
         (
             "--env-id Pendulum-v1 --hiddens 64 64 --replay-ratio 0.5 --learning-starts 1024 "
-            "--total-timesteps 12288 --log-frequency 8 --checkpoint-frequency 0 --actor-device-ids 0 "
+            "--total-timesteps 20480 --log-frequency 8 --checkpoint-frequency 0 --actor-device-ids 0 "
             "--learner-device-ids 1"
         ).split(),
         workdir,
