@@ -39,7 +39,7 @@ SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
     "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
 }
-# CleanRL's docs, docs/benchmark/ppo_continuous_action.md (openrlbenchmark, tag pr-424): ppo_continuous_action on
+# CleanRL's benchmark page for ppo_continuous_action (openrlbenchmark, tag pr-424): ppo_continuous_action on
 # MuJoCo v4 after 1M steps, mean ± std over its 3 seeds
 CLEANRL_PPO = {
     "HalfCheetah-v4": (1442.64, 46.03),

@@ -49,7 +49,7 @@ THRESHOLDS = {
     "MiniGrid-Empty-5x5": (0.9, "issue #29's bar for MiniGrid-Empty-5x5 (the best return is 0.955)", 10_240),
     # envpool's MiniGrid, the Sebulba side of the README's Anakin-vs-Sebulba pair: acting one policy version behind, it
     # needs more steps than Anakin's 61k to reach 0.9, so its command's bar is a clear gain over random play (~0.2)
-    "MiniGrid-Empty-5x5-v0": (0.5, "2.5x random play's 0.2 within Anakin's budget (the README's MiniGrid pair)", 10_240),
+    "MiniGrid-Empty-5x5-v0": (0.5, "2.5x random play's 0.2 in Anakin's budget (the README's MiniGrid pair)", 10_240),
     # +1 per step while the pole is up, 1000 at most; random actions about 8
     "InvertedPendulum-v4": (500.0, "the MuJoCo PPO script's InvertedPendulum test bar (the pole up 500 steps)", 5_120),
     "HalfCheetah-v4": (
