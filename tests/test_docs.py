@@ -47,4 +47,4 @@ def test_anchors_are_the_ones_mkdocs_makes():
     """The test's slugs against headings whose mkdocs anchors the docs already link to."""
     assert "on-a-gpu" in anchors(REPO / "docs" / "performance.md")
     assert "the-sebulba-system-every-script" in anchors(REPO / "docs" / "rl-algorithms" / "ppo.md")
-    assert "the-readmes-cartpole-command-seeds-1-5" in anchors(REPO / "docs" / "rl-algorithms" / "muzero.md")
+    assert "the-readmes-cartpole-command-ten-seeds" in anchors(REPO / "docs" / "rl-algorithms" / "muzero.md")
