@@ -128,9 +128,7 @@ def table(records: list[dict], env_ids: list[str], variants: list[str]) -> str:
                 cell += " **below**"  # more than two of CleanRL's standard deviations under its mean
             cells.append(cell)
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    published = " | ".join(
-        f"{m:,.2f} ± {s:,.2f}" if (m, s) else "-" for m, s in (CLEANRL_PPO.get(e, ()) for e in env_ids)
-    )
+    published = " | ".join("{:,.2f} ± {:,.2f}".format(*CLEANRL_PPO[e]) if e in CLEANRL_PPO else "-" for e in env_ids)
     lines.append(f"| CleanRL ppo_continuous_action (published, 3 seeds) | {published} |")
     where = sorted({(r.get("processor", "?"), r.get("date", "?")) for r in records})
     lines.append("\nRun on " + "; ".join(f"{cpu} ({date})" for cpu, date in where) + ", one run at a time.")
@@ -183,9 +181,7 @@ def main(args: Args):
     records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}
     records = [r for (env_id, _, seed), r in records.items() if env_id in args.env_ids and seed in args.seeds]
     print(table(records, args.env_ids, names))
-    title = (
-        "MuJoCo PPO" if args.script == "ppo_continuous_action" else "Policy losses of the configurable on-policy agent"
-    )
+    title = {"ppo_continuous_action": "MuJoCo PPO", "onpolicy": "Policy losses of the configurable on-policy agent"}
     figure(records, args.env_ids, names, title[args.script], args.output)
 
 

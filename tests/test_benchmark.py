@@ -1,5 +1,6 @@
 """cleanrl_utils.benchmark: local sweeps that survive failed runs, and Slurm job arrays from cleanba.slurm_template."""
 
+import json
 import os
 import re
 import subprocess
@@ -229,7 +230,7 @@ def test_readme_commands_finds_every_algorithms_cpu_command_with_a_known_bar():
 
 def test_readme_commands_parse_and_pass_their_scripts_checks():
     """Every README CPU command's flags are its script's and pass the checks a run makes before training (what
-    they learn, five seeds each, is benchmark/readme_commands.py's: docs/rl-algorithms/*.md)."""
+    they learn, ten seeds each, is benchmark/readme_commands.py's: docs/rl-algorithms/*.md)."""
     sys.path.insert(0, str(REPO / "benchmark"))
     import readme_commands
 
@@ -269,6 +270,43 @@ def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
     )
     assert process.returncode == 2, process.stderr
     assert process.stderr.strip().startswith("error: --algorithms: unknown ['dqn']"), process.stderr
+
+
+# ---------------------------------------------------------------- benchmark/mujoco_runs.py
+
+
+def test_mujoco_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_the_figure(workdir):
+    """--table-only over recorded runs: the mean ± std over seeds of each variant's final returns (NumPy), CleanRL's
+    number where it publishes one and "-" where not (CartpoleBalance-v1), a mean more than two of CleanRL's stds
+    below its mean marked, and the figure written."""
+    from cleanrl_utils.summary_writer import SummaryWriter
+
+    finals = {("Hopper-v4", 1): 1500.0, ("Hopper-v4", 2): 1000.0, ("CartpoleBalance-v1", 1): 900.0}
+    with open(workdir / "results.jsonl", "w") as results:
+        for (env_id, seed), final in finals.items():
+            run_dir = workdir / "runs" / f"{env_id}__mujoco_onpolicy_ppo__{seed}__1"
+            writer = SummaryWriter(str(run_dir), use_wandb=False, resume_step=0)
+            for step in range(1, 11):
+                writer.add_scalars({"charts/avg_episodic_return": final * step / 10}, step * 2048)
+            writer.close()
+            record = {"script": "onpolicy", "env_id": env_id, "variant": "ppo", "seed": seed}
+            results.write(json.dumps({**record, "final_return": final, "run_dir": str(run_dir)}) + "\n")
+    process = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "mujoco_runs.py"), "--table-only", "--variants", "ppo"]
+        + ["--env-ids", "Hopper-v4", "CartpoleBalance-v1", "--seeds", "1", "2"]
+        + ["--results", "results.jsonl", "--output", "figure.png"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr[-2000:]
+    hopper = (
+        f"{np.mean([1500.0, 1000.0]):,.1f} ± {np.std([1500.0, 1000.0]):,.1f} (n=2) **below**"  # < 2382.86 - 2 x 271.74
+    )
+    assert f"| ppo | {hopper} | 900.0 ± 0.0 (n=1) |" in process.stdout, process.stdout
+    assert "| CleanRL ppo_continuous_action (published, 3 seeds) | 2,382.86 ± 271.74 | - |" in process.stdout
+    assert (workdir / "figure.png").stat().st_size > 10_000
 
 
 # ---------------------------------------------------------------- benchmark/anakin_vs_sebulba.py
