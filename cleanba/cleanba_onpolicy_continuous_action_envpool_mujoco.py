@@ -96,6 +96,8 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
     """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
+    squash_mean: bool | None = None
+    """toggles the Gaussian's mean squashed into the action bounds by tanh; unset: the policy loss's own"""
     policy_loss: Literal["vpg", "ppo", "vtrace", "awr", "vmpo"] = "ppo"
     """the policy loss, the study's choice (Andrychowicz et al. 2021, Sec. 3.1; the module docstring says each)"""
     advantage_estimator: Literal["gae", "vtrace"] = "gae"
@@ -119,11 +121,11 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
 # each policy loss's own learning rate, epochs and minibatches, for the flags a run leaves unset: their sources and the
 # sweep they were chosen over are on docs/rl-algorithms/onpolicy_continuous_action.md#defaults-and-the-papers
 LOSS_DEFAULTS = {
-    "vpg": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32),
-    "ppo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
-    "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32),
-    "awr": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
-    "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32),
+    "vpg": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=False),
+    "ppo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
+    "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=False),
+    "awr": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
+    "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
 }
 
 
@@ -202,12 +204,17 @@ class Agent(nn.Module):
 
     action_dim: int
     hiddens: Sequence[int]
+    mean_bounds: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # (low, high): the mean squashed into them
 
     @nn.compact
     def __call__(self, obs):
         actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
         action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        if self.mean_bounds is not None:
+            # a mean outside the bounds clips every sample to the same action: no return signal brings it back
+            low, high = (np.asarray(bound, np.float32) for bound in self.mean_bounds)
+            action_mean = (high + low) / 2 + (high - low) / 2 * jnp.tanh(action_mean)
         action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return action_mean, action_logstd, value.squeeze(-1)
@@ -234,10 +241,17 @@ def project_multipliers(params: Params) -> Params:
     return params._replace(multipliers=jax.tree.map(lambda x: jnp.maximum(x, 1e-8), params.multipliers))
 
 
+def make_network(args: Args) -> Agent:
+    """The actor-critic for --env-id's action space."""
+    action_space = env_spaces(args.env_id, args.env_options)[1]
+    mean_bounds = tuple(map(tuple, (action_space.low.tolist(), action_space.high.tolist())))
+    return Agent(int(np.prod(action_space.shape)), tuple(args.hiddens), mean_bounds if args.squash_mean else None)
+
+
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
     """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
-    obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    obs_space = env_spaces(args.env_id, args.env_options)[0]
+    agent = make_network(args)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
@@ -725,7 +739,7 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
     statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
     action_space = env_spaces(args.env_id, args.env_options)[1]
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    agent = make_network(args)
     obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
     params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
 
