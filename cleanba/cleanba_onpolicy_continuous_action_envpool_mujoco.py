@@ -97,7 +97,7 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     hiddens: list[int] = field(default_factory=lambda: [64, 64])
     """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
     squash_mean: bool | None = None
-    """toggles the Gaussian's mean squashed into the action bounds by tanh; unset: the policy loss's own"""
+    """the Gaussian's mean squashed into the action bounds by tanh (True/False); unset: the policy loss's own"""
     policy_loss: Literal["vpg", "ppo", "vtrace", "awr", "vmpo"] = "ppo"
     """the policy loss, the study's choice (Andrychowicz et al. 2021, Sec. 3.1; the module docstring says each)"""
     advantage_estimator: Literal["gae", "vtrace"] = "gae"
@@ -121,9 +121,9 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
 # each policy loss's own learning rate, epochs and minibatches, for the flags a run leaves unset: their sources and the
 # sweep they were chosen over are on docs/rl-algorithms/onpolicy_continuous_action.md#defaults-and-the-papers
 LOSS_DEFAULTS = {
-    "vpg": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=False),
+    "vpg": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=True),
     "ppo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
-    "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=False),
+    "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=True),
     "awr": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
     "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
 }

@@ -366,7 +366,28 @@ def test_each_loss_gets_its_own_learning_rate_epochs_and_minibatches_unless_a_fl
         flags = ["--policy-loss", policy_loss, "--update-epochs", "4"]
         given = onpolicy.with_loss_defaults(parse_flags(onpolicy.Args, flags))
         assert given.update_epochs == 4 and given.learning_rate == defaults["learning_rate"]
+        flags = ["--policy-loss", policy_loss, "--squash-mean", str(not defaults["squash_mean"])]
+        assert onpolicy.with_loss_defaults(parse_flags(onpolicy.Args, flags)).squash_mean is not defaults["squash_mean"]
     assert set(onpolicy.LOSS_DEFAULTS) == set(LOSSES)
+
+
+def test_squashed_mean_is_tanh_into_each_dimensions_bounds():
+    """--squash-mean: center + half-width x tanh(the unsquashed mean), per action dimension (NumPy reference), so even
+    a mean head driven far outside stays within the bounds; the log-std and the value are untouched."""
+    low, high = (-3.0, -1.0), (3.0, 0.5)
+    squashed, unsquashed = (onpolicy.Agent(2, (8,), bounds) for bounds in ((low, high), None))
+    params = unsquashed.init(jax.random.key(0), np.zeros((1, 4), np.float32))
+    params = jax.tree_util.tree_map_with_path(  # the mean head's kernel x 1000: raw means far outside
+        lambda path, x: x * 1000 if "Dense_0" in jax.tree_util.keystr(path) else x, params
+    )
+    obs = np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32)
+    raw_mean, raw_logstd, raw_value = map(np.asarray, unsquashed.apply(params, obs))
+    mean, logstd, value = map(np.asarray, squashed.apply(params, obs))
+    low, high = np.array(low), np.array(high)
+    np.testing.assert_allclose(mean, (high + low) / 2 + (high - low) / 2 * np.tanh(raw_mean), rtol=1e-5, atol=1e-6)
+    assert np.abs(raw_mean).max() > 10 and ((mean >= low) & (mean <= high)).all()
+    np.testing.assert_array_equal(logstd, raw_logstd)
+    np.testing.assert_array_equal(value, raw_value)
 
 
 # ---------------------------------------------------------------- learning
