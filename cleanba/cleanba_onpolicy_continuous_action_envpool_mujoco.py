@@ -106,8 +106,8 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """V-trace's rho clip, of the vtrace loss and estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (positive, finite)"""
     vtrace_c_bar: float = 1.0
     """V-trace's trace clip c, of the vtrace estimator (IMPALA paper, Sec. 4.1 and 5.1: 1) (in (0, 1])"""
-    awr_beta: float = 1.0
-    """AWR's temperature on --norm-adv's advantages (Peng et al. 2019, appendix table; code: 1.0) (positive, finite)"""
+    awr_beta: float = 0.5
+    """AWR's temperature on --norm-adv's advantages (the docs' sweep: 0.5; the paper's code: 1.0) (positive, finite)"""
     awr_max_weight: float = 20.0
     """AWR's weight clip, the largest exp(A / beta) (Peng et al. 2019, the same table: 20) (positive, finite)"""
     vmpo_eps_eta: float = 0.01
@@ -125,7 +125,7 @@ LOSS_DEFAULTS = {
     "ppo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
     "vtrace": dict(learning_rate=3e-4, update_epochs=1, num_minibatches=32, squash_mean=True),
     "awr": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
-    "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=False),
+    "vmpo": dict(learning_rate=3e-4, update_epochs=10, num_minibatches=32, squash_mean=True),
 }
 
 
