@@ -1,7 +1,8 @@
 """Sebulba's configurable on-policy agent (SEED RL's, after Andrychowicz et al. 2021, "What matters in on-policy
 reinforcement learning?"): one Gaussian actor-critic whose policy loss is a flag, `--policy-loss {vpg,ppo,vtrace,
 awr,vmpo}`, and whose advantages are another, `--advantage-estimator {gae,vtrace}`; the system, networks,
-normalization and optimizer are held equal, each loss with its own learning rate, epochs and minibatches.
+normalization and optimizer are held equal, but each loss has its own learning rate, epochs and minibatches, and its
+own choice of whether the Gaussian's mean is squashed into the action bounds.
 
 It is the MuJoCo PPO script (whose docstring describes the system, the policy and the normalization) with the losses
 added: `diff` the two. Each is a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
