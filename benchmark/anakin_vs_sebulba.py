@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from plot import fail, plt, read_run, save  # noqa: E402
 from readme_commands import readme_training_commands  # noqa: E402
 
-SEBULBA, ANAKIN = "cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py", "cleanba/cleanba_ppo_anakin_xminigrid.py"
+SEBULBA, ANAKIN = "cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py", "cleanba/cleanba_ppo_anakin.py"
 # name -> (script, flags added to its README command): Sebulba as the README runs it (the actor one policy version
 # behind), Sebulba with lag 0 (the actor waits for the newest params, as Anakin's always are), Anakin
 ARCHITECTURES = {

@@ -40,7 +40,7 @@ run muzero cleanba_muzero_envpool_impala_atari_wrapper.py --env-id CartPole-v1 -
   --unroll-steps 3 --td-steps 3 --minibatch-size 8 --buffer-size 512 --replay-ratio 0.125 --actor-device-ids 0 \
   --learner-device-ids 1 --total-timesteps 256 --seed 3
 # tests/test_anakin.py's tiny settings on two learner devices, 20 updates
-run ppo_anakin cleanba_ppo_anakin_xminigrid.py --local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 \
+run ppo_anakin cleanba_ppo_anakin.py --local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 \
   --update-epochs 2 --learner-device-ids 0 1 --total-timesteps 5120 --seed 3
 # tests/test_onpolicy.py's V-MPO run (V-trace advantages, two learner devices), 10 updates
 run onpolicy cleanba_onpolicy_continuous_action_envpool_mujoco.py --env-id Hopper-v4 --num-actor-threads 1 \

@@ -38,7 +38,7 @@ SCRIPTS = {
     "sac": "cleanba_sac_continuous_action_envpool_mujoco.py",
     "r2d2": "cleanba_r2d2_envpool_impala_atari_wrapper.py",
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
-    "ppo_anakin": "cleanba_ppo_anakin_xminigrid.py",
+    "ppo_anakin": "cleanba_ppo_anakin.py",
     "onpolicy_continuous_action": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
 }
 # per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)

@@ -35,7 +35,7 @@ MUJOCO_SCRIPT = REPO / "cleanba" / "cleanba_ppo_continuous_action_envpool_mujoco
 SAC_SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py"
 MUZERO_SCRIPT = REPO / "cleanba" / "cleanba_muzero_envpool_impala_atari_wrapper.py"
 R2D2_SCRIPT = REPO / "cleanba" / "cleanba_r2d2_envpool_impala_atari_wrapper.py"
-ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_anakin_xminigrid.py"
+ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_anakin.py"
 ONPOLICY_SCRIPT = REPO / "cleanba" / "cleanba_onpolicy_continuous_action_envpool_mujoco.py"
 # JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The one
 # exception is third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated

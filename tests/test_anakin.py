@@ -1,4 +1,4 @@
-"""The Anakin PPO script (cleanba_ppo_anakin_xminigrid.py): its env factory, the layout-independence of its one compiled
+"""The Anakin PPO script (cleanba_ppo_anakin.py): its env factory, the layout-independence of its one compiled
 update, its rollout's bookkeeping against a plain loop, bad input, determinism and exact resume (the envs included),
 two processes, and learning MiniGrid-Empty-5x5 against the random policy."""
 
@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ anakin = load_script(ANAKIN_SCRIPT)
 
 # tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
 TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
+FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout"]  # an env of each library cleanrl_utils.jax_envs adapts
 DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
@@ -40,8 +42,8 @@ README_FLAGS = (
 
 
 def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
-    env, env_params = anakin.make_xminigrid("MiniGrid-Empty-5x5")
-    assert env.num_actions(env_params) == 6 and tuple(env.observation_shape(env_params)) == (7, 7, 2)
+    env = anakin.make_jax_env("MiniGrid-Empty-5x5")
+    assert env.num_actions == 6 and env.observation_shape == (7, 7, 2) and env.observation_kind == "symbolic"
     envs = anakin.make_env("MiniGrid-Empty-5x5", seed=3, num_envs=2, render_mode="rgb_array")
     obs, _ = envs.reset()
     assert obs.shape == (2, 7, 7, 2) and obs.dtype == np.uint8
@@ -61,6 +63,54 @@ def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
     assert reward[0] == 0 and not terminated[0] and not truncated[0]
 
 
+def test_minatar_adapter_steps_as_pgx_and_resets_the_step_after_an_episode_end():
+    """pgx's MinAtar Breakout behind the adapter, against pgx's own `init` and `step` in a plain loop: the same states
+    while the episode runs, then envpool's auto-reset: the step after the end is `init` with that step's reset key
+    (its action ignored), paying nothing and ending nothing."""
+    import pgx
+
+    env, game = anakin.make_jax_env("minatar-breakout"), pgx.make("minatar-breakout")
+    assert env.num_actions == 3 and env.observation_shape == (10, 10, 4) and env.observation_kind == "image"
+    step, pgx_step, pgx_init = jax.jit(env.step), jax.jit(game.step), jax.jit(game.init)
+    init_key, key = jax.random.split(jax.random.key(0))  # the adapter's state carries the env's own key
+    state, expected = env.reset(jax.random.key(0)), pgx_init(init_key)
+    jax.tree.map(np.testing.assert_array_equal, state.game, expected)
+    rng = np.random.default_rng(0)
+    for _ in range(1000):
+        action = np.int32(rng.integers(3))
+        ended = bool(env.terminated(state) | env.truncated(state))
+        state = step(state, action)
+        key, reset_key, step_key = jax.random.split(key, 3)
+        expected = pgx_init(reset_key) if ended else pgx_step(expected, action, step_key)
+        jax.tree.map(np.testing.assert_array_equal, state.game, expected)
+        if ended:
+            assert float(env.reward(state)) == 0 and not bool(env.terminated(state)) and not bool(env.truncated(state))
+            break
+    else:
+        pytest.fail("random play ends a Breakout episode within 1000 steps")
+    # the evaluator's envs (videos: each cell 8x8 pixels)
+    envs = anakin.make_env("minatar-breakout", seed=3, num_envs=2, render_mode="rgb_array")
+    obs, _ = envs.reset()
+    assert obs.shape == (2, 10, 10, 4) and obs.dtype == bool
+    assert envs.step(np.zeros(2, int))[0].shape == (2, 10, 10, 4)
+    frame = envs.render()
+    assert frame.shape == (1, 80, 80, 3) and frame.dtype == np.uint8 and frame.any()
+
+
+def test_minatar_torsos_patch_layer_is_pgxs_2x2_same_convolution():
+    """The torso's Dense layer on 2x2 patches against `nn.Conv(32, (2, 2), padding="SAME")` (haiku's default in pgx's
+    example) with the same weights, on random MinAtar-shaped images."""
+    torso = anakin.MinAtarTorso()
+    images = np.random.default_rng(0).random((5, 10, 10, 4)) > 0.7
+    params = torso.init(jax.random.key(0), images)["params"]
+    patch_layer = params["Dense_0"]
+    features = torso.apply({"params": params}, images, capture_intermediates=True)[1]["intermediates"]
+    conv = flax.linen.Conv(32, (2, 2), padding="SAME")
+    conv_params = {"kernel": patch_layer["kernel"].reshape(2, 2, 4, 32), "bias": patch_layer["bias"]}
+    expected = conv.apply({"params": conv_params}, images.astype(np.float32))
+    np.testing.assert_allclose(features["Dense_0"]["__call__"][0], expected, rtol=1e-5, atol=1e-5)
+
+
 def tiny_args(**flags):
     """The default flags but small: one minibatch (each learner device shuffles its own samples)."""
     args = anakin.Args(hiddens=[16], num_steps=8, num_minibatches=1, **flags)
@@ -68,15 +118,17 @@ def tiny_args(**flags):
     return args
 
 
-def run_updates(num_devices: int, total_envs: int, updates: int = 2):
+def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2):
     """`updates` Anakin updates of `total_envs` envs spread over `num_devices` devices, as main makes them."""
-    args = tiny_args(local_num_envs=total_envs // num_devices, learner_device_ids=list(range(num_devices)))
+    args = tiny_args(
+        env_id=env_id, local_num_envs=total_envs // num_devices, learner_device_ids=list(range(num_devices))
+    )
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(1), 3)
     agent, agent_state = anakin.make_agent(args, agent_key)
-    env, env_params = anakin.make_xminigrid(args.env_id)
-    envs = anakin.reset_envs(env, env_params, envs_key, total_envs, NamedSharding(mesh, P("batch")))
-    update = anakin.make_learner_update(args, agent, env, env_params, mesh)
+    env = anakin.make_jax_env(args.env_id)
+    envs = anakin.reset_envs(env, envs_key, total_envs, NamedSharding(mesh, P("batch")))
+    update = anakin.make_learner_update(args, agent, env, mesh)
     state = anakin.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
     for _ in range(updates):
         state, metrics = update(state)
@@ -84,33 +136,33 @@ def run_updates(num_devices: int, total_envs: int, updates: int = 2):
     return jax.device_get(state.agent.params), anakin.tree_digest(state.envs), jax.device_get(metrics)
 
 
-def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update():
+@pytest.mark.parametrize("env_id", FAMILIES)
+def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are bitwise
     the same on one and on two devices, and the params equal up to float sums (the default flags, advantages normalized
     over the whole minibatch, with one minibatch: the same samples)."""
-    one_params, one_envs, one_metrics = run_updates(1, 8)
-    two_params, two_envs, two_metrics = run_updates(2, 8)
+    one_params, one_envs, one_metrics = run_updates(env_id, 1, 8)
+    two_params, two_envs, two_metrics = run_updates(env_id, 2, 8)
     assert one_envs == two_envs
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), one_params, two_params)
     for name in ["losses/policy_loss", "losses/value_loss", "losses/entropy"]:
         np.testing.assert_allclose(one_metrics[name], two_metrics[name], rtol=1e-5, atol=1e-6)
-    initial = jax.device_get(anakin.make_agent(tiny_args(local_num_envs=8), jax.random.split(jax.random.key(1), 3)[0]))
+    initial_args = tiny_args(env_id=env_id, local_num_envs=8)
+    initial = jax.device_get(anakin.make_agent(initial_args, jax.random.split(jax.random.key(1), 3)[0]))
     assert not np.allclose(jax.tree.leaves(one_params)[0], jax.tree.leaves(initial[1].params)[0])  # it did update
 
 
-def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_plain_loop():
+@pytest.mark.parametrize("env_id", FAMILIES)
+def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_plain_loop(env_id):
     """Against a plain loop over the rollout's own arrays: `valid` is False exactly after an episode end (the reset
     step), terminations and truncations are the env's, and the returned episode statistics sum the rewards and count
     the valid steps of each env's last finished episode (NaN before its first)."""
-    env, env_params = anakin.make_xminigrid("MiniGrid-Empty-5x5")
-    agent, agent_state = anakin.make_agent(tiny_args(local_num_envs=6), jax.random.key(0))
+    env = anakin.make_jax_env(env_id)
+    agent, agent_state = anakin.make_agent(tiny_args(env_id=env_id, local_num_envs=6), jax.random.key(0))
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    envs = anakin.reset_envs(env, env_params, jax.random.key(5), 6, NamedSharding(mesh, P("batch")))
-    # 150 steps: random play ends episodes by the goal (terminations) and by the 100-step limit (truncations)
+    envs = anakin.reset_envs(env, jax.random.key(5), 6, NamedSharding(mesh, P("batch")))
     envs, storage = jax.jit(
-        lambda envs: anakin.rollout(
-            agent=agent, env=env, env_params=env_params, params=agent_state.params, envs=envs, num_steps=150
-        )
+        lambda envs: anakin.rollout(agent=agent, env=env, params=agent_state.params, envs=envs, num_steps=150)
     )(envs)
     storage, envs = jax.device_get((storage, envs))
     valid, terminations, truncations, rewards = (
@@ -119,7 +171,9 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
         storage.truncations,
         storage.rewards,
     )
-    assert terminations.any() and truncations.any()
+    # 150 steps of random play: MiniGrid's episodes end at the goal (terminations) and at the 100-step limit
+    # (truncations); Breakout's when the ball is lost (MinAtar has no time limit)
+    assert terminations.any() and (truncations.any() or env_id.startswith("minatar-"))
     episode_return, episode_length = np.zeros(6), np.zeros(6)
     last_return, last_length = np.full(6, np.nan), np.full(6, np.nan)
     for t in range(150):
@@ -136,15 +190,17 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
                 episode_return[i], episode_length[i] = 0, 0
     np.testing.assert_allclose(envs.returned_episode_returns, last_return, rtol=1e-6)
     np.testing.assert_array_equal(envs.returned_episode_lengths, last_length)
-    assert np.all(last_length[~np.isnan(last_length)] <= 100)  # the time limit counts the valid steps
+    if env_id.startswith("MiniGrid-"):
+        assert np.all(last_length[~np.isnan(last_length)] <= 100)  # the time limit counts the valid steps
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--env-id", "MiniGrid-Empty-5x5-v0"], "(xminigrid's ids have no version: MiniGrid-Empty-5x5)"),
+        (["--env-id", "MiniGrid-Empty-5x5-v0"], "(these ids have no version: MiniGrid-Empty-5x5)"),
         (["--env-id", "XLand-MiniGrid-R1-9x9"], "XLand-MiniGrid's meta-RL envs need a ruleset benchmark"),
-        (["--env-id", "Breakout-v5"], "--env-id must be one of xminigrid's MiniGrid envs (MiniGrid-"),
+        (["--env-id", "MinAtar-Breakout"], "(pgx's MinAtar ids are lowercase: minatar-breakout, ...)"),
+        (["--env-id", "Breakout-v5"], "--env-id must be one of MiniGrid-"),
         (["--num-minibatches", "3"], "--num-minibatches (3) must divide the samples per learner device (--num-steps"),
         (["--learning-rate", "-1"], "--learning-rate must be positive and finite, got -1.0"),
         (["--gae-lambda", "2"], "--gae-lambda must be in [0, 1], got 2.0"),
@@ -154,7 +210,7 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
     ],
 )
 def test_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
-    """The checks before any device (`validate_args`), then --env-id's, which imports xminigrid and so starts JAX's
+    """The checks before any device (`validate_args`), then --env-id's, which imports xminigrid and pgx, starting JAX's
     backend: made once the devices (and jax.distributed) have started, in every process (`check_runtime_values`)."""
     args = parse_flags(anakin.Args, [*TINY, *flags])
     with pytest.raises(UsageError) as error:
@@ -169,15 +225,23 @@ def test_bad_input_is_one_line_with_exit_code_2(workdir):
     run = run_script([*TINY, "--env-id", "MiniGrid-Empty-5x5-v0"], workdir, script=ANAKIN_SCRIPT, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
-    assert run.stderr.startswith("error: --env-id must be one of xminigrid's MiniGrid envs"), run.stderr[-2000:]
+    assert run.stderr.startswith("error: --env-id must be one of MiniGrid-"), run.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def seeded_runs(tmp_path_factory) -> dict:
+@pytest.fixture(scope="module", params=FAMILIES)
+def seeded_runs(tmp_path_factory, request) -> dict:
     """A run, and a second run of the same seed stopped by SIGTERM after update 4, then resumed by the same command (no
     --resume: a --run-name with checkpoints resumes)."""
     workdir = tmp_path_factory.mktemp("anakin")
-    flags = [*TINY, "--total-timesteps", "25600", "--checkpoint-frequency", "0"]  # 200 updates
+    flags = [
+        *TINY,
+        "--env-id",
+        request.param,
+        "--total-timesteps",
+        "25600",
+        "--checkpoint-frequency",
+        "0",
+    ]  # 200 updates
     first = run_script(flags, workdir, "first", script=ANAKIN_SCRIPT)
     stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
     try:
@@ -227,11 +291,22 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
 
 
 @pytest.mark.slow
-def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir):
+@pytest.mark.parametrize("env_id", FAMILIES)
+def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, env_id):
     """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see;
     their checkpoint resumes in one process on two learner devices (the layout change docs/reliability.md promises:
     the learner key, replicated over two processes when saved, restores onto the one process's devices)."""
-    flags = [*TINY, "--total-timesteps", "2560", "--num-minibatches", "1", "--checkpoint-frequency", "5"]
+    flags = [
+        *TINY,
+        "--env-id",
+        env_id,
+        "--total-timesteps",
+        "2560",
+        "--num-minibatches",
+        "1",
+        "--checkpoint-frequency",
+        "5",
+    ]
     hosts, shared = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints"
     for host in hosts:
         host.mkdir()
@@ -273,7 +348,7 @@ def test_two_processes_with_a_bad_env_id_each_end_with_its_one_line(workdir):
         for rank, (returncode, _, err) in enumerate(results):
             errors = [line for line in err.splitlines() if line.startswith("error:")]
             assert returncode == 2 and len(errors) == 1, (attempt, rank, err[-3000:])
-            assert errors[0].startswith("error: --env-id must be one of xminigrid's MiniGrid envs"), errors
+            assert errors[0].startswith("error: --env-id must be one of MiniGrid-"), errors
             assert "Traceback" not in err and "Terminating process" not in err, err[-3000:]
 
 

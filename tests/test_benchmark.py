@@ -330,3 +330,26 @@ def test_time_to_a_return_is_the_first_update_of_a_sustained_mean_as_a_plain_loo
     assert expected is not None and expected[1] > steps[0]
     assert reached(record, 0.9) == (float(expected[0]), int(expected[1]))
     assert reached(record, 2.0) is None
+
+
+# ---------------------------------------------------------------- benchmark/jax_env_ceiling.py
+
+
+def test_jax_env_ceiling_writes_a_line_per_env_size_and_torso(workdir):
+    """Tiny settings: an env step rate for each library's env and size, and the gradient time of both MinAtar torsos
+    inside and outside `lax.scan`, each a JSON line with the processor."""
+    process = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "jax_env_ceiling.py"), "--num-envs", "8", "16", "--num-steps", "4"]
+        + ["--repeats", "1", "--minibatch-size", "16", "--results", "ceiling.jsonl"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        env=script_env(),
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = [json.loads(line) for line in (workdir / "ceiling.jsonl").read_text().splitlines()]
+    steps = {(line["env_id"], line["num_envs"]) for line in lines if line["part"] == "step"}
+    assert steps == {(env_id, n) for env_id in ["MiniGrid-Empty-5x5", "minatar-breakout"] for n in (8, 16)}
+    torsos = {(line["torso"], line["scanned"]) for line in lines if line["part"] == "torso"}
+    assert torsos == {(torso, scanned) for torso in ["patches", "conv"] for scanned in (False, True)}
+    assert all(line.get("sps", line.get("ms")) > 0 and line["processor"] for line in lines)

@@ -1,11 +1,12 @@
-"""Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) for XLand-MiniGrid's JAX-native MiniGrid envs.
+"""Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) for JAX-native envs: XLand-MiniGrid's MiniGrid
+tasks and pgx's MinAtar games, each behind a small adapter (cleanrl_utils/jax_envs.py), so `--env-id` picks the env.
 
 One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses: the
 same functions as the Sebulba PPO script's), the rollout, the learner update, the evaluation policy, and `main`: the
 Anakin loop itself. What is the same for every algorithm (checkpoints, preemption, device layout, logging) comes from
 cleanrl_utils/, one small module each.
 
-System in one paragraph: the envs are written in JAX (xminigrid), so acting, stepping the envs and learning are one
+System in one paragraph: the envs are written in JAX, so acting, stepping the envs and learning are one
 compiled program. On each learner device, a `vmap` over its `--local-num-envs` envs of the policy and the env step is
 scanned for `--num-steps`; then GAE, and PPO's epochs and minibatches, all inside one `jax.jit` of a `shard_map` over
 the learner devices of every process (the Sebulba scripts' 1-D mesh "batch"), gradients summed with `psum`, so
@@ -35,6 +36,7 @@ from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env
 from cleanrl_utils.run import AnakinRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -42,8 +44,9 @@ from cleanrl_utils.saved_model import check_save_model_flags
 @dataclass
 class Args(AnakinArgs):  # the run's and Anakin's flags (cleanrl_utils/flags.py), then PPO's
     env_id: str = "MiniGrid-Empty-5x5"
-    """the id of one of xminigrid's MiniGrid envs (xminigrid.registered_environments(), e.g. MiniGrid-Empty-5x5,
-    MiniGrid-DoorKey-8x8, MiniGrid-FourRooms); the egocentric 7x7 view, flattened, goes into MLPs"""
+    """an xminigrid MiniGrid task (MiniGrid-Empty-5x5, MiniGrid-DoorKey-8x8, ...: its egocentric 7x7 view, flattened,
+    goes into MLPs) or a pgx MinAtar game (minatar-breakout, minatar-asterix, minatar-freeway, minatar-seaquest,
+    minatar-space_invaders: its 10x10 image into a small CNN, then the MLPs)"""
     total_timesteps: int = 50_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     learning_rate: float = 2.5e-4
@@ -100,74 +103,16 @@ def validate_args(args: Args):
 # ---------------------------------------------------------------- environments
 
 
-def check_env_id(env_id: str):
-    """One line naming the envs there are: xminigrid's MiniGrid tasks. Its XLand meta-RL envs sample their task from
-    a benchmark of rulesets that xminigrid downloads on first use (not part of the package), so they are not offered."""
-    import xminigrid
-
-    minigrid = [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
-    if env_id in minigrid:
-        return
-    hint = ""
-    if env_id.rsplit("-", 1)[-1].startswith("v") and env_id.rsplit("-", 1)[0] in minigrid:
-        hint = f" (xminigrid's ids have no version: {env_id.rsplit('-', 1)[0]})"
-    elif env_id.startswith("XLand-MiniGrid"):
-        hint = " (XLand-MiniGrid's meta-RL envs need a ruleset benchmark downloaded by xminigrid: not supported)"
-    raise UsageError(f"--env-id must be one of xminigrid's MiniGrid envs ({', '.join(minigrid)}), got {env_id!r}{hint}")
-
-
-def make_xminigrid(env_id: str):
-    """xminigrid's env and its (static) params, with envpool's auto-reset: the step after an episode's end resets the
-    env and ignores its action, as envpool does for the Sebulba scripts, so the same GAE and losses apply."""
-    import xminigrid
-    from xminigrid.wrappers import DmEnvAutoResetWrapper
-
-    check_env_id(env_id)
-    env, env_params = xminigrid.make(env_id)
-    return DmEnvAutoResetWrapper(env), env_params
-
-
-class XMiniGridEnvs:
-    """`num_envs` xminigrid envs behind the gymnasium vector API that cleanrl_utils.evals steps (reset, step, render);
-    env i is seeded with `jax.random.key(seed + i)`."""
-
-    def __init__(self, env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
-        self.env, self.env_params = make_xminigrid(env_id)
-        self.keys = jax.vmap(jax.random.key)(seed + np.arange(num_envs, dtype=np.uint32))
-        self.render_mode, self.timestep = render_mode, None
-        self._reset = jax.jit(jax.vmap(lambda key: self.env.reset(self.env_params, key)))
-        self._step = jax.jit(jax.vmap(lambda timestep, action: self.env.step(self.env_params, timestep, action)))
-
-    def reset(self):
-        self.timestep = self._reset(self.keys)
-        return np.asarray(self.timestep.observation), {}
-
-    def step(self, actions):
-        self.timestep = timestep = self._step(self.timestep, jnp.asarray(actions, jnp.int32))
-        last, discount = np.asarray(timestep.last()), np.asarray(timestep.discount)
-        return (
-            np.asarray(timestep.observation),
-            np.asarray(timestep.reward),
-            last & (discount == 0),
-            last & (discount > 0),
-            {},
-        )
-
-    def render(self) -> np.ndarray:
-        """Env 0's whole grid as an RGB frame, in a batch of one (as envpool renders env 0)."""
-        return self.env.render(self.env_params, jax.tree.map(lambda x: x[0], self.timestep))[None]
-
-
 def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
     """The evaluator's envs (cleanrl_utils.evals): training steps its envs inside the compiled update instead."""
-    return XMiniGridEnvs(env_id, seed, num_envs, render_mode)
+    return JaxVectorEnvs(env_id, seed, num_envs, render_mode)
 
 
 # ---------------------------------------------------------------- networks
 
 
 class MLP(nn.Module):
-    """Torso for the egocentric view, flattened (the Sebulba PPO script's MLP for vector observations)."""
+    """tanh MLP on flattened inputs (the Sebulba PPO script's MLP for vector observations)."""
 
     hiddens: Sequence[int]
 
@@ -179,15 +124,35 @@ class MLP(nn.Module):
         return x
 
 
+class MinAtarTorso(nn.Module):
+    """pgx's MinAtar PPO example's torso: a 2x2 convolution of 32 channels (SAME padding), ReLU, 2x2 average pooling,
+    a ReLU layer of 64 (after the MinAtar paper's one-conv network, Young & Tian 2019, Sec. 4). The convolution is a
+    Dense layer on each cell's 2x2 patch, the same function as `nn.Conv` (a test checks it): on a CPU, XLA computes
+    a convolution's weight gradient inside `lax.scan` about 19x slower (docs/rl-algorithms/ppo_anakin.md)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(jnp.float32)
+        height, width = x.shape[1:3]
+        padded = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))  # SAME for a 2x2 kernel: a row and a column after
+        patches = jnp.concatenate([padded[:, i : i + height, j : j + width] for i in (0, 1) for j in (0, 1)], -1)
+        x = nn.relu(nn.Dense(32, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(patches))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        return nn.relu(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((x.shape[0], -1))))
+
+
 class Agent(nn.Module):
-    """Policy logits and value, from separate actor and critic MLPs (as in CleanRL's classic-control PPO)."""
+    """Policy logits and value, from separate actor and critic MLPs (as in CleanRL's classic-control PPO); on images,
+    both MLPs read one shared CNN torso (as pgx's MinAtar PPO example)."""
 
     action_dim: int
     hiddens: Sequence[int]
+    observation_kind: str  # "symbolic" (xminigrid's views: the MLPs read them flattened) or "image" (MinAtar)
 
     @nn.compact
     def __call__(self, obs):
-        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        x = MinAtarTorso()(obs) if self.observation_kind == "image" else obs
+        actor_hidden, critic_hidden = MLP(self.hiddens)(x), MLP(self.hiddens)(x)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
         logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
@@ -196,8 +161,8 @@ class Agent(nn.Module):
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
-    env, env_params = make_xminigrid(args.env_id)
-    agent = Agent(env.num_actions(env_params), tuple(args.hiddens))
+    env = make_jax_env(args.env_id)
+    agent = Agent(env.num_actions, tuple(args.hiddens), env.observation_kind)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
@@ -206,7 +171,7 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
 
     return agent, TrainState.create(
         apply_fn=None,
-        params=agent.init(key, np.zeros((1, *env.observation_shape(env_params)), np.uint8)),
+        params=agent.init(key, np.zeros((1, *env.observation_shape), np.float32)),
         tx=optax.chain(
             optax.clip_by_global_norm(args.max_grad_norm),
             optax.inject_hyperparams(optax.adam)(
@@ -364,7 +329,7 @@ def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
 class EnvState(NamedTuple):
     """The envs and what the logger reads of them; every field has the env axis first (sharded over the devices)."""
 
-    timestep: object  # xminigrid's TimeStep: each env's state, last observation, reward and step type
+    state: object  # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
     action_keys: jax.Array  # each env's own key for its actions: the same stream on any device layout
     episode_returns: jax.Array  # of the episode under way
     episode_lengths: jax.Array
@@ -372,48 +337,48 @@ class EnvState(NamedTuple):
     returned_episode_lengths: jax.Array
 
 
-def reset_envs(env, env_params, key: jax.Array, num_envs: int, sharding: NamedSharding) -> EnvState:
+def reset_envs(env, key: jax.Array, num_envs: int, sharding: NamedSharding) -> EnvState:
     """`num_envs` envs (all processes'), env i reset with key i of `key`'s split, laid out along the mesh."""
 
     def reset(key):
         reset_keys, action_keys = jax.random.split(key, (2, num_envs))
         nan = jnp.full(num_envs, jnp.nan, jnp.float32)
-        timestep = jax.vmap(env.reset, in_axes=(None, 0))(env_params, reset_keys)
-        return EnvState(timestep, action_keys, jnp.zeros(num_envs), jnp.zeros(num_envs, jnp.int32), nan, nan)
+        state = jax.vmap(env.reset)(reset_keys)
+        return EnvState(state, action_keys, jnp.zeros(num_envs), jnp.zeros(num_envs, jnp.int32), nan, nan)
 
     return jax.jit(reset, out_shardings=sharding)(key)
 
 
-def rollout(*, agent: Agent, env, env_params, params, envs: EnvState, num_steps: int) -> tuple[EnvState, Rollout]:
+def rollout(*, agent: Agent, env, params, envs: EnvState, num_steps: int) -> tuple[EnvState, Rollout]:
     """One device's envs stepped `num_steps` times with the current policy: a `vmap` over envs, scanned over time."""
-    step_envs = jax.vmap(env.step, in_axes=(None, 0, 0))
+    episode_ended = jax.vmap(lambda state: env.terminated(state) | env.truncated(state))
 
     def step(envs: EnvState, _):
         keys = jax.vmap(jax.random.split)(envs.action_keys)
-        obs, valid = envs.timestep.observation, ~envs.timestep.last()  # after an episode end: the reset step
+        obs, valid = jax.vmap(env.observation)(envs.state), ~episode_ended(envs.state)  # after an end: the reset step
         logits, value = agent.apply(params, obs)
         action = jax.vmap(jax.random.categorical)(keys[:, 1], logits)
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        timestep = step_envs(env_params, envs.timestep, action)
-        episode_end = timestep.last()
-        terminated, truncated = episode_end & (timestep.discount == 0), episode_end & (timestep.discount > 0)
+        state = jax.vmap(env.step)(envs.state, action)
+        reward, terminated, truncated = (jax.vmap(f)(state) for f in (env.reward, env.terminated, env.truncated))
+        episode_end = terminated | truncated
         # each env's last finished episode (the Sebulba scripts' cleanrl_utils.logger.EpisodeStats, in JAX)
-        episode_returns = envs.episode_returns + timestep.reward
+        episode_returns = envs.episode_returns + reward
         episode_lengths = envs.episode_lengths + valid
         envs = EnvState(
-            timestep,
+            state,
             keys[:, 0],
             jnp.where(episode_end, 0.0, episode_returns),
             jnp.where(episode_end, 0, episode_lengths),
             jnp.where(episode_end, episode_returns, envs.returned_episode_returns),
             jnp.where(episode_end, episode_lengths, envs.returned_episode_lengths),
         )
-        return envs, (obs, action, logprob, value, timestep.reward, terminated, truncated, valid)
+        return envs, (obs, action, logprob, value, reward, terminated, truncated, valid)
 
     envs, (obs, actions, logprobs, values, rewards, terminations, truncations, valid) = jax.lax.scan(
         step, envs, length=num_steps
     )
-    bootstrap_value = agent.apply(params, envs.timestep.observation)[1][None]
+    bootstrap_value = agent.apply(params, jax.vmap(env.observation)(envs.state))[1][None]
     float32 = lambda x: x.astype(jnp.float32)
     storage = Rollout(
         obs,
@@ -449,7 +414,7 @@ class LearnerState(NamedTuple):
     envs: EnvState  # the envs, sharded along the env axis over the learner devices
 
 
-def make_learner_update(args: Args, agent: Agent, env, env_params, mesh: Mesh) -> Callable:
+def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
     advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`."""
     replicated, sharded_envs = P(), P("batch")
@@ -490,16 +455,14 @@ def make_learner_update(args: Args, agent: Agent, env, env_params, mesh: Mesh) -
 
     def update(state: LearnerState) -> tuple[LearnerState, dict]:
         agent_state, key, envs = state
-        envs, storage = rollout(
-            agent=agent, env=env, env_params=env_params, params=agent_state.params, envs=envs, num_steps=args.num_steps
-        )
+        envs, storage = rollout(agent=agent, env=env, params=agent_state.params, envs=envs, num_steps=args.num_steps)
         agent_state, key, metrics = learn(batch_of(storage), agent_state, key)
         metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
         return LearnerState(agent_state, key, envs), metrics
 
-    # check_vma=False: xminigrid's env step has `lax.cond`s with a constant branch, which shard_map's replication
-    # checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
+    # check_vma=False: xminigrid's and pgx's env steps have `lax.cond`s with a constant branch, which shard_map's
+    # replication checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
     update = jax.shard_map(
         update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
     )
@@ -508,7 +471,7 @@ def make_learner_update(args: Args, agent: Agent, env, env_params, mesh: Mesh) -
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
 # (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_xminigrid`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
+# `make_jax_env`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
 # `check_runtime_values` from this script)
 
 
@@ -520,8 +483,8 @@ def saved_model(state: LearnerState) -> dict:
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
-    env, env_params = make_xminigrid(args.env_id)
-    agent = Agent(env.num_actions(env_params), tuple(args.hiddens))
+    env = make_jax_env(args.env_id)
+    agent = Agent(env.num_actions, tuple(args.hiddens), env.observation_kind)
     params = jax.tree.map(jnp.asarray, model["params"])
 
     @jax.jit
@@ -542,8 +505,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags), and of --env-id:
-    importing xminigrid starts JAX's backend (its constants are arrays), so its ids are checked once the devices and
-    jax.distributed have started, in every process."""
+    importing xminigrid or pgx starts JAX's backend (their constants are arrays), so the ids are checked once the
+    devices and jax.distributed have started, in every process."""
     check_env_id(args.env_id)
     schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
     check_int32_counts(args, {"optimizer steps": schedule})
@@ -560,10 +523,10 @@ def main(args: Args) -> int:
     # every key is the same in every process: each env's keys are its own slice of envs_key's split
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
-    env, env_params = make_xminigrid(args.env_id)
+    env = make_jax_env(args.env_id)
     num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
-    envs = reset_envs(env, env_params, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
-    learner_update = make_learner_update(args, agent, env, env_params, run.mesh)
+    envs = reset_envs(env, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
+    learner_update = make_learner_update(args, agent, env, run.mesh)
     # replicated over the mesh as the update returns them: the second update does not compile anew
     state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
     state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
