@@ -6,13 +6,11 @@ own choice of whether the Gaussian's mean is squashed into the action bounds.
 
 It is the MuJoCo PPO script (whose docstring describes the system, the policy and the normalization) with the losses
 added: `diff` the two. Each is a loss on the log-probabilities of the rollout's actions (SEED RL's framing):
-- vpg: the policy gradient, -A log pi(a|s) (Williams 1992);
-- ppo: the clipped surrogate of the MuJoCo PPO script (Schulman et al. 2017), the same function;
-- vtrace: IMPALA's policy gradient, -min(rho_bar, pi/mu) A log pi(a|s) (Espeholt et al. 2018, Sec. 4.2);
-- awr: advantage-weighted regression, -min(exp(A / beta), max_weight) log pi(a|s) (Peng et al. 2019, Sec. 3);
-- vmpo: V-MPO's E-step (softmax of A / eta over the top half of the advantages) and M-step (weighted maximum likelihood
-  under KL bounds on the Gaussian's mean and std), eta and the KL multipliers learned (Song et al. 2019, Sec. 3-4).
-The value loss, entropy bonus and approx-KL are the PPO script's for every loss.
+vpg -A log pi(a|s) (Williams 1992); ppo, the MuJoCo PPO script's clipped surrogate (Schulman et al. 2017); vtrace
+-min(rho_bar, pi/mu) A log pi(a|s) (Espeholt et al. 2018, Sec. 4.2); awr -min(exp(A / beta), max_weight) log pi(a|s)
+(Peng et al. 2019, Sec. 3); vmpo, V-MPO's E-step (softmax of A / eta over the top half of the advantages) and M-step
+(weighted maximum likelihood under KL bounds on the mean and std; eta and the multipliers learned; Song et al. 2019,
+Sec. 3-4): the docs page's table has each. The value loss, entropy bonus and approx-KL are the PPO script's.
 """
 
 import dataclasses
@@ -212,8 +210,7 @@ class Agent(nn.Module):
         actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
         action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
-        if self.mean_bounds is not None:
-            # a mean outside the bounds clips every sample to the same action: no return signal brings it back
+        if self.mean_bounds is not None:  # a mean out of bounds clips every sample alike: no signal brings it back
             low, high = (np.asarray(bound, np.float32) for bound in self.mean_bounds)
             action_mean = (high + low) / 2 + (high - low) / 2 * jnp.tanh(action_mean)
         action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
@@ -244,9 +241,9 @@ def project_multipliers(params: Params) -> Params:
 
 def make_network(args: Args) -> Agent:
     """The actor-critic for --env-id's action space."""
-    action_space = env_spaces(args.env_id, args.env_options)[1]
-    mean_bounds = tuple(map(tuple, (action_space.low.tolist(), action_space.high.tolist())))
-    return Agent(int(np.prod(action_space.shape)), tuple(args.hiddens), mean_bounds if args.squash_mean else None)
+    space = env_spaces(args.env_id, args.env_options)[1]
+    bounds = (tuple(space.low.tolist()), tuple(space.high.tolist())) if args.squash_mean else None
+    return Agent(int(np.prod(space.shape)), tuple(args.hiddens), bounds)
 
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
