@@ -460,16 +460,7 @@ def gaussian_kl_of_mean_and_std(*, start_mean, start_logstd, mean, logstd):
 
 
 def vmpo_loss_terms(
-    *,
-    new_logprobs,
-    kl_mean,
-    kl_std,
-    advantages,
-    valid,
-    normalizer,
-    multipliers: LagrangeMultipliers,
-    bounds: tuple,
-    axis_name,
+    *, new_logprobs, kl_mean, kl_std, advantages, valid, normalizer, multipliers: LagrangeMultipliers, bounds, axis_name
 ):
     """V-MPO (Song et al. 2019, Sec. 3-4; rlax) on this device's shard: (policy, temperature, KL, multiplier losses).
     E-step: softmax(A / eta) over the top half of the *whole* minibatch's advantages (gathered from every device);
@@ -497,8 +488,7 @@ def vmpo_loss_terms(
     return policy_loss, temperature_loss, kl_loss, alpha_loss
 
 
-# the loss and `onpolicy_loss`'s terms, as logged: kl_mean and kl_std say how far each loss moves the policy from the
-# update's start; the last three are V-MPO's only
+# `onpolicy_loss`'s terms as logged; kl_mean and kl_std: how far the policy moved from the update's start; V-MPO's last
 LOSS_METRICS = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
 LOSS_METRICS += ["losses/kl_mean", "losses/kl_std"]
 LOSS_METRICS += ["losses/temperature_loss", "losses/kl_constraint_loss", "losses/multiplier_loss"]
@@ -689,7 +679,6 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
 
     # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis checks reject
-    # (as in the IMPALA script); nothing here is differentiated
     batch_of = partial(prepare_batch, agent=agent, args=args)
     batch_of = shard_map(
         batch_of, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs), check_vma=False
