@@ -1,23 +1,32 @@
-"""MuJoCo runs over env ids x variants x seeds at CleanRL's scale (1M steps), with a table beside CleanRL's published
-ppo_continuous_action returns and a figure: the MuJoCo PPO script's own table, and the configurable on-policy agent's
-comparison of policy losses (Andrychowicz et al. 2021).
+"""Learning runs over env ids x variants x seeds, with a table beside a published result and a figure: the MuJoCo PPO
+script at CleanRL's scale (1M steps, beside CleanRL's ppo_continuous_action), the configurable on-policy agent's
+comparison of policy losses (Andrychowicz et al. 2021), and the Anakin PPO on pgx's MinAtar (20M steps, beside pgx's
+MinAtar PPO example).
 
     # the MuJoCo PPO script's defaults on CleanRL's six MuJoCo v4 tasks, seeds 1-3
-    uv run python benchmark/mujoco_runs.py --script ppo_continuous_action \\
+    uv run python benchmark/learning_runs.py --script ppo_continuous_action \\
         --results benchmark/results/mujoco_ppo.jsonl --output static/mujoco_ppo.png
     # each policy loss with its own defaults on HalfCheetah-v4 and Hopper-v4
-    uv run python benchmark/mujoco_runs.py --script onpolicy --variants vpg ppo vtrace awr vmpo \\
+    uv run python benchmark/learning_runs.py --script onpolicy --variants vpg ppo vtrace awr vmpo \\
         --env-ids HalfCheetah-v4 Hopper-v4
-    uv run python benchmark/mujoco_runs.py ... --table-only        # the table and figure from --results
+    # the Anakin PPO with pgx's MinAtar PPO settings on its five games (pgx's README reads the return at 20M)
+    uv run python benchmark/learning_runs.py --script ppo_anakin --env-ids minatar-breakout minatar-asterix \\
+        minatar-freeway minatar-seaquest minatar-space_invaders --total-timesteps 20000000 --final-window 1 \\
+        --flags="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \\
+        --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64 --log-frequency 1 \\
+        --checkpoint-frequency 0" \\
+        --results benchmark/results/minatar_ppo.jsonl --output static/minatar_ppo.png
+    uv run python benchmark/learning_runs.py ... --table-only        # the table and figure from --results
 
 A variant of the on-policy script is its `--policy-loss`; of the MuJoCo PPO script, `default` (no flag) or any flags
-given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name mujoco_{script}_{variant}` plus --flags (default:
+given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name bench_{script}_{variant}` plus --flags (default:
 one actor thread of 8 envs, the same 2048-step batch as the defaults' 2 threads x 4 envs with one busy thread per core
-here; a0-l1; every update logged). A run's final return is the mean of its last 10 logged `charts/avg_episodic_return`
-(with every update logged, the last 20,480 env steps). Each run appends a JSON line (with the processor and the date)
-to --results; the Markdown table (mean ± std over seeds per variant and env, beside CleanRL's, marking a mean more
-than two of CleanRL's standard deviations below CleanRL's mean) is printed and the figure (mean over seeds, min-max
-band, CleanRL's mean as a line) is written to --output.
+here; a0-l1; every update logged). A run's final return is the mean of its last --final-window logged
+`charts/avg_episodic_return` (10 with every update logged: the last 20,480 env steps of a MuJoCo run; MinAtar's 1: the
+episodes that ended in the last update of 524,288 env steps). Each run appends a JSON line (with the processor and
+the date) to --results; the Markdown table (mean ± std over seeds per variant and env, beside the published mean,
+marking a mean more than two of the published standard deviations below it) is printed and the figure (mean over
+seeds, min-max band, the published mean as a line) is written to --output.
 """
 
 import datetime
@@ -38,6 +47,7 @@ from readme_commands import processor  # noqa: E402
 SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
     "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
+    "ppo_anakin": "cleanba/cleanba_ppo_anakin.py",
 }
 # CleanRL's benchmark page for ppo_continuous_action (openrlbenchmark, tag pr-424): ppo_continuous_action on
 # MuJoCo v4 after 1M steps, mean ± std over its 3 seeds
@@ -49,14 +59,27 @@ CLEANRL_PPO = {
     "Humanoid-v4": (716.11, 49.08),
     "Pusher-v4": (-40.38, 7.15),
 }
-FINAL_WINDOW = 10
+# pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo): its README's plots at 20M steps, read by eye (the
+# evaluation return of the sampled policy over 100 episodes; the plots' spread is not given, so std is None)
+PGX_MINATAR_PPO = {
+    "minatar-breakout": (50.0, None),
+    "minatar-asterix": (23.5, None),
+    "minatar-freeway": (63.0, None),
+    "minatar-seaquest": (54.0, None),
+    "minatar-space_invaders": (145.0, None),
+}
+PUBLISHED = {  # per script: (its name in the table, {env id: (mean, std)})
+    "ppo_continuous_action": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
+    "onpolicy": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
+    "ppo_anakin": ("pgx's MinAtar PPO (its README's plot at 20M)", PGX_MINATAR_PPO),
+}
 LAYOUT = "--num-actor-threads 1 --local-num-envs 8 --actor-device-ids 0 --learner-device-ids 1 --log-frequency 1"
 
 
 @dataclass
 class Args:
     script: str = "onpolicy"
-    """ppo_continuous_action or onpolicy"""
+    """ppo_continuous_action, onpolicy or ppo_anakin"""
     env_ids: list[str] = field(default_factory=lambda: list(CLEANRL_PPO))
     variants: list[str] = field(default_factory=lambda: ["default"])
     """the on-policy script's --policy-loss values; for both scripts `default` (no flag) or NAME=FLAGS"""
@@ -66,6 +89,8 @@ class Args:
     """the script's other flags, one string"""
     results: str = "benchmark/results/onpolicy_losses.jsonl"
     output: str = "static/onpolicy_losses.png"
+    final_window: int = 10
+    """the number of last logged returns whose mean is a run's final return"""
     table_only: bool = False
 
 
@@ -83,7 +108,7 @@ def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
 
 def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     name, flags = variant_flags(args.script, variant)
-    exp_name = f"mujoco_{args.script}_{name}"
+    exp_name = f"bench_{args.script}_{name}"
     command = [
         *("uv", "run", "python", SCRIPTS[args.script], "--env-id", env_id, "--seed", str(seed), *flags),
         *("--exp-name", exp_name, "--total-timesteps", str(args.total_timesteps), *args.flags.split()),
@@ -101,7 +126,7 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
         "variant": name,
         "seed": seed,
         "command": " ".join(command),
-        "final_return": float(returns[-FINAL_WINDOW:].mean()),
+        "final_return": float(returns[-args.final_window :].mean()),
         "best_return": float(returns.max()),
         "last_return": float(returns[-1]),
         "wall_s": round(wall, 1),
@@ -111,7 +136,8 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     }
 
 
-def table(records: list[dict], env_ids: list[str], variants: list[str]) -> str:
+def table(records: list[dict], env_ids: list[str], variants: list[str], script: str) -> str:
+    published_name, published = PUBLISHED[script]
     lines = [
         "| variant | " + " | ".join(f"{env_id} (final, mean ± std over seeds)" for env_id in env_ids) + " |",
         "|---|" + "---|" * len(env_ids),
@@ -124,18 +150,24 @@ def table(records: list[dict], env_ids: list[str], variants: list[str]) -> str:
                 cells.append("-")
                 continue
             cell = f"{np.mean(finals):,.1f} ± {np.std(finals):,.1f} (n={len(finals)})"
-            if env_id in CLEANRL_PPO and np.mean(finals) < CLEANRL_PPO[env_id][0] - 2 * CLEANRL_PPO[env_id][1]:
-                cell += " **below**"  # more than two of CleanRL's standard deviations under its mean
+            mean, std = published.get(env_id, (None, None))
+            if std is not None and np.mean(finals) < mean - 2 * std:
+                cell += " **below**"  # more than two of the published standard deviations under its mean
             cells.append(cell)
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
-    published = " | ".join("{:,.2f} ± {:,.2f}".format(*CLEANRL_PPO[e]) if e in CLEANRL_PPO else "-" for e in env_ids)
-    lines.append(f"| CleanRL ppo_continuous_action (published, 3 seeds) | {published} |")
+    cells = [published_cell(*published[env_id]) if env_id in published else "-" for env_id in env_ids]
+    lines.append(f"| {published_name} | " + " | ".join(cells) + " |")
     where = sorted({(r.get("processor", "?"), r.get("date", "?")) for r in records})
     lines.append("\nRun on " + "; ".join(f"{cpu} ({date})" for cpu, date in where) + ", one run at a time.")
     return "\n".join(lines)
 
 
-def figure(records: list[dict], env_ids: list[str], variants: list[str], title: str, output: str):
+def published_cell(mean: float, std: float | None) -> str:
+    return f"{mean:,.2f}" if std is None else f"{mean:,.2f} ± {std:,.2f}"
+
+
+def figure(records: list[dict], env_ids: list[str], variants: list[str], script: str, output: str):
+    published_name, published = PUBLISHED[script]
     columns = min(len(env_ids), 3)
     rows = -(-len(env_ids) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4 * rows), squeeze=False)
@@ -148,15 +180,15 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], title: 
             grid, mean, low, high = mean_and_spread([s[0] for s in series], [s[2] for s in series])
             (line,) = ax.plot(grid, mean, label=f"{variant} ({len(runs)} seeds)")
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
-        if env_id in CLEANRL_PPO:
-            published = CLEANRL_PPO[env_id][0]
-            ax.axhline(
-                published, color="black", linestyle="--", linewidth=1, label=f"CleanRL PPO at 1M ({published:g})"
-            )
+        if env_id in published:
+            mean = published[env_id][0]
+            ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"{published_name}: {mean:g}")
         ax.set(title=env_id, xlabel="env steps", ylabel="average episodic return")
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(env_ids) :]:
         ax.set_visible(False)
+    title = {"ppo_continuous_action": "MuJoCo PPO", "onpolicy": "Policy losses of the configurable on-policy agent"}
+    title = title.get(script, "Anakin PPO on pgx's MinAtar")
     fig.suptitle(f"{title}\n(2-core CPU; mean over seeds, band: min-max)")
     fig.tight_layout()
     save(fig, output)
@@ -180,9 +212,8 @@ def main(args: Args):
     # the newest record of each (env, variant, seed) of this script
     records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}
     records = [r for (env_id, _, seed), r in records.items() if env_id in args.env_ids and seed in args.seeds]
-    print(table(records, args.env_ids, names))
-    title = {"ppo_continuous_action": "MuJoCo PPO", "onpolicy": "Policy losses of the configurable on-policy agent"}
-    figure(records, args.env_ids, names, title[args.script], args.output)
+    print(table(records, args.env_ids, names, args.script))
+    figure(records, args.env_ids, names, args.script, args.output)
 
 
 if __name__ == "__main__":

@@ -272,10 +272,10 @@ def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
     assert process.stderr.strip().startswith("error: --algorithms: unknown ['dqn']"), process.stderr
 
 
-# ---------------------------------------------------------------- benchmark/mujoco_runs.py
+# ---------------------------------------------------------------- benchmark/learning_runs.py
 
 
-def test_mujoco_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_the_figure(workdir):
+def test_learning_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_the_figure(workdir):
     """--table-only over recorded runs: the mean ± std over seeds of each variant's final returns (NumPy), CleanRL's
     number where it publishes one and "-" where not (CartpoleBalance-v1), a mean more than two of CleanRL's stds
     below its mean marked, and the figure written."""
@@ -292,7 +292,7 @@ def test_mujoco_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_the
             record = {"script": "onpolicy", "env_id": env_id, "variant": "ppo", "seed": seed}
             results.write(json.dumps({**record, "final_return": final, "run_dir": str(run_dir)}) + "\n")
     process = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "mujoco_runs.py"), "--table-only", "--variants", "ppo"]
+        [sys.executable, str(REPO / "benchmark" / "learning_runs.py"), "--table-only", "--variants", "ppo"]
         + ["--env-ids", "Hopper-v4", "CartpoleBalance-v1", "--seeds", "1", "2"]
         + ["--results", "results.jsonl", "--output", "figure.png"],
         cwd=workdir,
