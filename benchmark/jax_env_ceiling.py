@@ -53,7 +53,7 @@ def env_step_sps(env_id: str, num_envs: int, num_steps: int, repeats: int) -> fl
 
     def steps(states, key):
         def step(states, key):
-            actions = jax.random.randint(key, (num_envs,), 0, env.num_actions)
+            actions = jax.vmap(env.sample_action)(jax.random.split(key, num_envs))
             states = jax.vmap(env.step)(states, actions)
             return states, jax.vmap(env.reward)(states).sum()
 

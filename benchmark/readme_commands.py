@@ -40,6 +40,7 @@ SCRIPTS = {
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
     "ppo_anakin": "cleanba_ppo_anakin.py",
     "onpolicy_continuous_action": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
+    "ppo_continuous_action_anakin": "cleanba_ppo_continuous_action_anakin.py",
 }
 # per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)
 THRESHOLDS = {
@@ -60,6 +61,8 @@ THRESHOLDS = {
     # DeepMind Control's smooth reward, at most 1 per step over 1000 steps; random actions about 364, a still cart
     # (action 0) about 710: 800 needs the pole balanced with the cart centered
     "CartpoleBalance-v1": (800.0, "issue #41's bar for CartpoleBalance (the maximum is 1000)", 32_768),
+    # MuJoCo Playground's version of the same task (the Anakin side of the README's CartpoleBalance pair)
+    "CartpoleBalance": (800.0, "issue #41's bar for CartpoleBalance (the maximum is 1000)", 32_768),
 }
 TAG = "charts/avg_episodic_return"
 
@@ -68,7 +71,8 @@ TAG = "charts/avg_episodic_return"
 class Args:
     algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin,
-    onpolicy_continuous_action, or `{algorithm}@{env id}` for a script's further README command"""
+    onpolicy_continuous_action, ppo_continuous_action_anakin, or `{algorithm}@{env id}` for a script's further README
+    command"""
     seeds: list[int] = field(default_factory=lambda: list(range(1, 11)))
     extra_flags: str = ""
     """flags appended to each command, one string (`--extra-flags="--rmsprop-eps 1e-5"`): a variant, recorded with

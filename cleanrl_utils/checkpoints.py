@@ -99,6 +99,14 @@ def _keys_to_data(tree):
     return jax.tree.map(data, tree)
 
 
+def _empty_to_placeholders(tree):
+    """orbax refuses arrays of zero size (MJX's state has several, e.g. `act` of a model without actuator state): each
+    goes as a scalar of its dtype, and comes back from the template the run restores into (it holds no data)."""
+    import jax
+
+    return jax.tree.map(lambda x: np.zeros((), x.dtype) if np.size(x) == 0 else x, tree)
+
+
 def _key_template(key):
     """What a typed key restores as: its data with the key's sharding where that is a mesh's, else on the host."""
     import jax
@@ -270,7 +278,7 @@ class Checkpoints:
         if update == self.manager.latest_step():
             return
         start = time.time()
-        state = _keys_to_data(state)
+        state = _empty_to_placeholders(_keys_to_data(state))
         leaves = jax.tree.leaves(state)
         # the digest of the whole state (any layout) and what its shapes were made for: checked at restore
         meta = {
@@ -347,7 +355,7 @@ class Checkpoints:
             # keys as their data: on the mesh where they live on it (a replicated key restores into this run's
             # layout, also from a checkpoint that other processes wrote), else on the host (a key on no mesh is not
             # committed to a device: jit places it)
-            template = jax.tree.map(lambda x: _key_template(x) if _is_key(x) else x, state)
+            template = _empty_to_placeholders(jax.tree.map(lambda x: _key_template(x) if _is_key(x) else x, state))
             check_shapes(meta, jax.tree.leaves(template), path)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
             with _stderr_held():
@@ -368,12 +376,13 @@ class Checkpoints:
                 f"--resume: checkpoint {path} is corrupted (its state does not match the digest "
                 "saved with it); delete it to resume from an older one"
             )
-        restored = jax.tree.map(
-            lambda template, x: jax.random.wrap_key_data(x) if _is_key(template) else x,
-            state,
-            restored["state"],
-            is_leaf=_is_key,
-        )
+
+        def restored_leaf(template, x):
+            if _is_key(template):
+                return jax.random.wrap_key_data(x)
+            return template if np.size(template) == 0 else x  # an empty array: the template's (no data)
+
+        restored = jax.tree.map(restored_leaf, state, restored["state"], is_leaf=_is_key)
         print(
             f"resumed from checkpoint: update={update} global_step={meta['global_step']} {summary(restored)}",
             flush=True,

@@ -11,12 +11,16 @@ Families:
   and color ids, no time limit beyond the task's own (a truncation);
 - pgx's MinAtar games (`minatar-breakout`, `minatar-asterix`, `minatar-freeway`, `minatar-seaquest`,
   `minatar-space_invaders`; Young & Tian 2019, as pgx implements them: sticky actions with probability 0.1, the
-  minimal action set): 10x10 images of binary channels.
+  minimal action set): 10x10 images of binary channels;
+- MuJoCo Playground's DeepMind Control Suite (`CartpoleBalance`, `CheetahRun`, ...; Zakka et al. 2025), continuous
+  actions in [-1, 1], on MJX's JAX implementation (`impl="jax"`: Playground's default, Warp, is a GPU engine), with
+  the Control Suite's time limit of 1,000 steps as a truncation (as envpool's `CartpoleBalance-v1`, ...).
 
-Importing either library starts JAX's backend (their constants are arrays), so the ids are checked in
+Importing any of them starts JAX's backend (their constants are arrays), so the ids are checked in
 check_runtime_values, after jax.distributed has started.
 """
 
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +36,7 @@ class XMiniGridEnv:
     """An xminigrid MiniGrid task; its TimeStep is the state (DmEnvAutoResetWrapper resets the step after the end)."""
 
     observation_kind = "symbolic"  # tile and color ids: an MLP on the flattened view
+    action_dtype = jnp.int32
 
     def __init__(self, env_id: str):
         import xminigrid
@@ -44,6 +49,9 @@ class XMiniGridEnv:
 
     def reset(self, key: jax.Array) -> Any:
         return self.env.reset(self.env_params, key)
+
+    def sample_action(self, key: jax.Array) -> jax.Array:
+        return jax.random.randint(key, (), 0, self.num_actions)
 
     def step(self, state, action: jax.Array) -> Any:
         return self.env.step(self.env_params, state, action)  # its reset keys live in the TimeStep
@@ -73,6 +81,7 @@ class MinAtarEnv:
     """A pgx MinAtar game, its State and the env's key. pgx resets nothing by itself: `step` does it, envpool's way."""
 
     observation_kind = "image"  # 10x10 binary channels: pgx's MinAtar PPO example's small CNN
+    action_dtype = jnp.int32
 
     def __init__(self, env_id: str):
         import pgx
@@ -84,6 +93,9 @@ class MinAtarEnv:
     def reset(self, key: jax.Array) -> MinAtarState:
         init_key, key = jax.random.split(key)
         return MinAtarState(self.env.init(init_key), key)
+
+    def sample_action(self, key: jax.Array) -> jax.Array:
+        return jax.random.randint(key, (), 0, self.num_actions)
 
     def step(self, state: MinAtarState, action: jax.Array) -> MinAtarState:
         key, reset_key, step_key = jax.random.split(state.key, 3)
@@ -121,19 +133,86 @@ def _channel_colors(num_channels: int) -> np.ndarray:
     return np.stack([255 * (0.5 + 0.5 * np.cos(2 * np.pi * (hues + shift))) for shift in (0, 1 / 3, 2 / 3)], -1)
 
 
-def env_ids() -> list[str]:
-    """Every id the Anakin script accepts."""
+class PlaygroundState(NamedTuple):
+    env: Any  # Playground's State (MJX data, observation, reward, done)
+    steps: jax.Array  # the episode's steps so far: the time limit truncates at the config's episode_length
+    key: jax.Array  # the env's own key: its resets draw from it
+
+
+class PlaygroundEnv:
+    """A MuJoCo Playground DeepMind Control Suite task: its State, the episode's step count and the env's key, with
+    envpool's auto-reset and time limit (Playground's own training wrappers do both; the raw env does neither)."""
+
+    observation_kind = "vector"
+    action_dtype = jnp.float32
+
+    def __init__(self, env_id: str):
+        os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering for videos (read when mujoco is imported)
+        from mujoco_playground import registry
+
+        config = registry.get_default_config(env_id)
+        config.impl = "jax"
+        self.env = registry.load(env_id, config=config)
+        # MJX puts the model on jax.devices()[0], another process's device under jax.distributed: on this one's instead
+        from mujoco import mjx
+
+        self.env._mjx_model = mjx.put_model(self.env.mj_model, impl="jax", device=jax.local_devices()[0])
+        self.episode_length = int(config.episode_length)
+        self.action_dim = int(self.env.action_size)
+        self.observation_shape = (int(self.env.observation_size),)
+        self.action_low, self.action_high = -np.ones(self.action_dim, np.float32), np.ones(self.action_dim, np.float32)
+
+    def reset(self, key: jax.Array) -> PlaygroundState:
+        reset_key, key = jax.random.split(key)
+        return PlaygroundState(self.env.reset(reset_key), jnp.int32(0), key)
+
+    def sample_action(self, key: jax.Array) -> jax.Array:
+        return jax.random.uniform(key, (self.action_dim,), minval=-1.0, maxval=1.0)
+
+    def step(self, state: PlaygroundState, action: jax.Array) -> PlaygroundState:
+        key, reset_key = jax.random.split(state.key)
+        action = jnp.clip(action, self.action_low, self.action_high)
+        # as pgx's: under vmap both branches run, as a select per env
+        return jax.lax.cond(
+            self.terminated(state) | self.truncated(state),
+            lambda: PlaygroundState(self.env.reset(reset_key), jnp.int32(0), key),
+            lambda: PlaygroundState(self.env.step(state.env, action), state.steps + 1, key),
+        )
+
+    def observation(self, state: PlaygroundState) -> jax.Array:
+        return state.env.obs
+
+    def reward(self, state: PlaygroundState) -> jax.Array:
+        return state.env.reward
+
+    def terminated(self, state: PlaygroundState) -> jax.Array:
+        return state.env.done > 0  # the Control Suite's tasks end early only on a non-finite state
+
+    def truncated(self, state: PlaygroundState) -> jax.Array:
+        return (state.steps >= self.episode_length) & (state.env.done == 0)
+
+    def render(self, state: PlaygroundState) -> np.ndarray:
+        return np.asarray(self.env.render([state.env], height=240, width=320)[0])
+
+
+def env_ids(*, discrete: bool) -> list[str]:
+    """Every id the Anakin script of that action kind accepts."""
+    if not discrete:
+        from mujoco_playground import registry
+
+        return list(registry.dm_control_suite.ALL_ENVS)
     import xminigrid
 
     minigrid = [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
     return minigrid + [f"minatar-{game}" for game in MINATAR_GAMES]
 
 
-def check_env_id(env_id: str):
+def check_env_id(env_id: str, *, discrete: bool):
     """One UsageError line naming the ids there are, with a hint for a near miss. XLand-MiniGrid's meta-RL envs sample
     their task from a benchmark of rulesets that xminigrid downloads on first use (not part of the package), so they
-    are not offered; pgx's board games are two-player, not single-agent RL envs."""
-    ids = env_ids()
+    are not offered; pgx's board games are two-player, not single-agent RL envs; Playground's locomotion and
+    manipulation envs need MuJoCo Menagerie's models, which Playground downloads on first use (not offered)."""
+    ids = env_ids(discrete=discrete)
     if env_id in ids:
         return
     hint = ""
@@ -143,13 +222,18 @@ def check_env_id(env_id: str):
         hint = " (XLand-MiniGrid's meta-RL envs need a ruleset benchmark downloaded by xminigrid: not supported)"
     elif env_id.lower().startswith("minatar") or env_id.lower().startswith("minatar-"):
         hint = " (pgx's MinAtar ids are lowercase: minatar-breakout, ...)"
+    elif env_id in env_ids(discrete=not discrete):
+        hint = f" ({env_id} has {'continuous' if discrete else 'discrete'} actions: the other Anakin PPO script's)"
     raise UsageError(f"--env-id must be one of {', '.join(ids)}, got {env_id!r}{hint}")
 
 
-def make_jax_env(env_id: str) -> XMiniGridEnv | MinAtarEnv:
-    """The adapter for --env-id (checked first: one line if it is not one of ours)."""
-    check_env_id(env_id)
-    return MinAtarEnv(env_id) if env_id.startswith("minatar-") else XMiniGridEnv(env_id)
+def make_jax_env(env_id: str) -> XMiniGridEnv | MinAtarEnv | PlaygroundEnv:
+    """The adapter for --env-id, of either action kind (checked first: one line if it is not one of ours)."""
+    if env_id.startswith("MiniGrid-") or env_id.startswith("minatar-"):
+        check_env_id(env_id, discrete=True)
+        return MinAtarEnv(env_id) if env_id.startswith("minatar-") else XMiniGridEnv(env_id)
+    check_env_id(env_id, discrete=False)
+    return PlaygroundEnv(env_id)
 
 
 class JaxVectorEnvs:
@@ -168,7 +252,7 @@ class JaxVectorEnvs:
         return np.asarray(self.env.observation(self.state)), {}
 
     def step(self, actions):
-        self.state = state = self._step(self.state, jnp.asarray(actions, jnp.int32))
+        self.state = state = self._step(self.state, jnp.asarray(actions, self.env.action_dtype))
         return (
             np.asarray(self.env.observation(state)),
             np.asarray(self.env.reward(state)),

@@ -36,12 +36,14 @@ SAC_SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py
 MUZERO_SCRIPT = REPO / "cleanba" / "cleanba_muzero_envpool_impala_atari_wrapper.py"
 R2D2_SCRIPT = REPO / "cleanba" / "cleanba_r2d2_envpool_impala_atari_wrapper.py"
 ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_anakin.py"
+CONTINUOUS_ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_continuous_action_anakin.py"
 ONPOLICY_SCRIPT = REPO / "cleanba" / "cleanba_onpolicy_continuous_action_envpool_mujoco.py"
-# JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The one
-# exception is third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated
-# jax.core attribute at import time; the filter names that module only.
+# JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The exceptions
+# are third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated jax.core attribute at
+# import time, and jaxopt (MuJoCo Playground -> brax) warns that it is unmaintained; the filters name those modules.
 SUBPROCESS_WARNINGS = (
-    "error::DeprecationWarning,ignore::DeprecationWarning:tensorflow_probability.python.internal.backend.jax.ops"
+    "error::DeprecationWarning,ignore::DeprecationWarning:tensorflow_probability.python.internal.backend.jax.ops,"
+    "ignore::DeprecationWarning:jaxopt"
 )
 # tiny Atari settings: a few updates of a 4-channel IMPALA CNN on Breakout-v5
 TINY_BREAKOUT = (

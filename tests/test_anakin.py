@@ -1,10 +1,12 @@
-"""The Anakin PPO script (cleanba_ppo_anakin.py): its env factory, the layout-independence of its one compiled
-update, its rollout's bookkeeping against a plain loop, bad input, determinism and exact resume (the envs included),
-two processes, and learning MiniGrid-Empty-5x5 against the random policy."""
+"""The Anakin PPO scripts (cleanba_ppo_anakin.py, discrete actions; cleanba_ppo_continuous_action_anakin.py): their
+env adapters, the layout-independence of their one compiled update, their rollouts' bookkeeping against a plain loop,
+bad input, determinism and exact resume (the envs included), two processes, for an env of each family; learning
+MiniGrid-Empty-5x5 and CartpoleBalance against the random policy."""
 
 import re
 import shutil
 import signal
+from functools import partial
 
 import flax
 import jax
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import (
     ANAKIN_SCRIPT,
+    CONTINUOUS_ANAKIN_SCRIPT,
     finish_processes,
     finish_script,
     load_script,
@@ -29,16 +32,19 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import run_episodes
 
 anakin = load_script(ANAKIN_SCRIPT)
+anakin_continuous = load_script(CONTINUOUS_ANAKIN_SCRIPT)
 
 # tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
 TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
-FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout"]  # an env of each library cleanrl_utils.jax_envs adapts
+FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "CartpoleBalance"]  # an env of each library jax_envs adapts
 DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
     "--env-id MiniGrid-Empty-5x5 --local-num-envs 32 --num-steps 32 --num-minibatches 4 --update-epochs 4 "
     "--learning-rate 1e-3 --hiddens 64 64 --total-timesteps 61440"
 ).split()
+# the README's CPU command of the continuous script: its defaults (the MuJoCo PPO script's), 150 updates
+CONTINUOUS_README_FLAGS = "--env-id CartpoleBalance --total-timesteps 307200".split()
 
 
 def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
@@ -97,6 +103,35 @@ def test_minatar_adapter_steps_as_pgx_and_resets_the_step_after_an_episode_end()
     assert frame.shape == (1, 80, 80, 3) and frame.dtype == np.uint8 and frame.any()
 
 
+def test_playground_adapter_steps_as_playground_truncates_at_the_time_limit_and_resets_the_step_after():
+    """CartpoleBalance against MuJoCo Playground's own step in a plain loop (MJX's JAX implementation): the same
+    observations and rewards, actions clipped to [-1, 1]; the 1,000th step is a truncation (the Control Suite's time
+    limit, as envpool's CartpoleBalance-v1), never a termination; the step after it resets the env with the next key
+    of the env's own stream, ignoring its action, and pays nothing."""
+    env = anakin_continuous.make_jax_env("CartpoleBalance")
+    assert env.action_dim == 1 and env.observation_shape == (5,) and env.episode_length == 1000
+    actions = jax.random.uniform(jax.random.key(4), (1001, 1), minval=-2.0, maxval=2.0)  # beyond the bounds too
+
+    def step(state, action):
+        state = env.step(state, action)
+        return state, (env.observation(state), env.reward(state), env.terminated(state), env.truncated(state))
+
+    start = env.reset(jax.random.key(3))
+    _, (obs, rewards, terminated, truncated) = jax.device_get(jax.jit(lambda s: jax.lax.scan(step, s, actions))(start))
+    playground_step, state = jax.jit(env.env.step), start.env
+    for t in range(20):
+        state = playground_step(state, np.clip(actions[t], -1, 1))
+        np.testing.assert_allclose(obs[t], state.obs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rewards[t], state.reward, rtol=1e-5, atol=1e-6)
+    assert not terminated.any()
+    np.testing.assert_array_equal(np.flatnonzero(truncated), [999])
+    key = start.key
+    for _ in range(1001):
+        key, reset_key = jax.random.split(key)
+    np.testing.assert_allclose(obs[1000], env.env.reset(reset_key).obs, rtol=1e-6)
+    assert rewards[1000] == 0
+
+
 def test_minatar_torsos_patch_layer_is_pgxs_2x2_same_convolution():
     """The torso's Dense layer on 2x2 patches against `nn.Conv(32, (2, 2), padding="SAME")` (haiku's default in pgx's
     example) with the same weights, on random MinAtar-shaped images."""
@@ -111,44 +146,58 @@ def test_minatar_torsos_patch_layer_is_pgxs_2x2_same_convolution():
     np.testing.assert_allclose(features["Dense_0"]["__call__"][0], expected, rtol=1e-5, atol=1e-5)
 
 
+def script_of(env_id: str):
+    """The Anakin script for the env's action kind, and its path."""
+    if env_id.startswith("MiniGrid-") or env_id.startswith("minatar-"):
+        return anakin, ANAKIN_SCRIPT
+    return anakin_continuous, CONTINUOUS_ANAKIN_SCRIPT
+
+
 def tiny_args(**flags):
     """The default flags but small: one minibatch (each learner device shuffles its own samples)."""
-    args = anakin.Args(hiddens=[16], num_steps=8, num_minibatches=1, **flags)
+    args = script_of(flags["env_id"])[0].Args(hiddens=[16], num_steps=8, num_minibatches=1, update_epochs=2, **flags)
     args.num_updates = 10
     return args
 
 
 def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2):
     """`updates` Anakin updates of `total_envs` envs spread over `num_devices` devices, as main makes them."""
+    script = script_of(env_id)[0]
     args = tiny_args(
         env_id=env_id, local_num_envs=total_envs // num_devices, learner_device_ids=list(range(num_devices))
     )
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(1), 3)
-    agent, agent_state = anakin.make_agent(args, agent_key)
-    env = anakin.make_jax_env(args.env_id)
-    envs = anakin.reset_envs(env, envs_key, total_envs, NamedSharding(mesh, P("batch")))
-    update = anakin.make_learner_update(args, agent, env, mesh)
-    state = anakin.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
+    agent, agent_state = script.make_agent(args, agent_key)
+    env = script.make_jax_env(args.env_id)
+    envs = script.reset_envs(env, envs_key, total_envs, NamedSharding(mesh, P("batch")))
+    update = script.make_learner_update(args, agent, env, mesh)
+    state = script.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
     for _ in range(updates):
         state, metrics = update(state)
     assert np.isfinite(float(metrics["losses/loss"])) and "charts/learning_rate" in metrics
-    return jax.device_get(state.agent.params), anakin.tree_digest(state.envs), jax.device_get(metrics)
+    return jax.device_get(state.agent.params), jax.device_get(state.envs), jax.device_get(metrics)
 
 
 @pytest.mark.parametrize("env_id", FAMILIES)
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
-    """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are bitwise
-    the same on one and on two devices, and the params equal up to float sums (the default flags, advantages normalized
-    over the whole minibatch, with one minibatch: the same samples)."""
+    """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are the same
+    on one and on two devices (bitwise with discrete actions; continuous actions carry the params' float sums into
+    the physics), and the params equal up to float sums (the default flags, advantages normalized over the whole
+    minibatch, with one minibatch: the same samples)."""
     one_params, one_envs, one_metrics = run_updates(env_id, 1, 8)
     two_params, two_envs, two_metrics = run_updates(env_id, 2, 8)
-    assert one_envs == two_envs
+    if script_of(env_id)[0] is anakin:
+        assert anakin.tree_digest(one_envs) == anakin.tree_digest(two_envs)
+    else:
+        close = lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+        jax.tree.map(close, jax.random.key_data(one_envs.action_keys), jax.random.key_data(two_envs.action_keys))
+        jax.tree.map(close, one_envs.state.env.obs, two_envs.state.env.obs)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), one_params, two_params)
     for name in ["losses/policy_loss", "losses/value_loss", "losses/entropy"]:
         np.testing.assert_allclose(one_metrics[name], two_metrics[name], rtol=1e-5, atol=1e-6)
     initial_args = tiny_args(env_id=env_id, local_num_envs=8)
-    initial = jax.device_get(anakin.make_agent(initial_args, jax.random.split(jax.random.key(1), 3)[0]))
+    initial = jax.device_get(script_of(env_id)[0].make_agent(initial_args, jax.random.split(jax.random.key(1), 3)[0]))
     assert not np.allclose(jax.tree.leaves(one_params)[0], jax.tree.leaves(initial[1].params)[0])  # it did update
 
 
@@ -157,13 +206,17 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
     """Against a plain loop over the rollout's own arrays: `valid` is False exactly after an episode end (the reset
     step), terminations and truncations are the env's, and the returned episode statistics sum the rewards and count
     the valid steps of each env's last finished episode (NaN before its first)."""
-    env = anakin.make_jax_env(env_id)
-    agent, agent_state = anakin.make_agent(tiny_args(env_id=env_id, local_num_envs=6), jax.random.key(0))
+    script = script_of(env_id)[0]
+    env = script.make_jax_env(env_id)
+    agent, agent_state = script.make_agent(tiny_args(env_id=env_id, local_num_envs=6), jax.random.key(0))
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
-    envs = anakin.reset_envs(env, jax.random.key(5), 6, NamedSharding(mesh, P("batch")))
-    envs, storage = jax.jit(
-        lambda envs: anakin.rollout(agent=agent, env=env, params=agent_state.params, envs=envs, num_steps=150)
-    )(envs)
+    envs = script.reset_envs(env, jax.random.key(5), 6, NamedSharding(mesh, P("batch")))
+    num_steps = 1010 if script is anakin_continuous else 150  # the Control Suite's episodes last 1,000 steps
+    if script is anakin:
+        rollout = partial(anakin.rollout, params=agent_state.params)
+    else:
+        rollout = partial(anakin_continuous.rollout, agent_state=agent_state, gamma=0.99)
+    envs, storage = jax.jit(lambda envs: rollout(agent=agent, env=env, envs=envs, num_steps=num_steps))(envs)
     storage, envs = jax.device_get((storage, envs))
     valid, terminations, truncations, rewards = (
         storage.valid,
@@ -172,11 +225,12 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
         storage.rewards,
     )
     # 150 steps of random play: MiniGrid's episodes end at the goal (terminations) and at the 100-step limit
-    # (truncations); Breakout's when the ball is lost (MinAtar has no time limit)
-    assert terminations.any() and (truncations.any() or env_id.startswith("minatar-"))
+    # (truncations); Breakout's when the ball is lost (MinAtar has no time limit); CartpoleBalance's at 1,000 steps
+    assert terminations.any() or env_id == "CartpoleBalance"
+    assert truncations.any() or env_id.startswith("minatar-")
     episode_return, episode_length = np.zeros(6), np.zeros(6)
     last_return, last_length = np.full(6, np.nan), np.full(6, np.nan)
-    for t in range(150):
+    for t in range(num_steps):
         for i in range(6):
             ended_before = t > 0 and (terminations[t - 1, i] or truncations[t - 1, i])
             assert valid[t, i] == (not ended_before)
@@ -188,10 +242,12 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
                 assert not (terminations[t, i] and truncations[t, i])
                 last_return[i], last_length[i] = episode_return[i], episode_length[i]
                 episode_return[i], episode_length[i] = 0, 0
-    np.testing.assert_allclose(envs.returned_episode_returns, last_return, rtol=1e-6)
+    np.testing.assert_allclose(envs.returned_episode_returns, last_return, rtol=1e-5)  # float32 sums of 1,000
     np.testing.assert_array_equal(envs.returned_episode_lengths, last_length)
     if env_id.startswith("MiniGrid-"):
         assert np.all(last_length[~np.isnan(last_length)] <= 100)  # the time limit counts the valid steps
+    if env_id == "CartpoleBalance":
+        np.testing.assert_array_equal(last_length, 1000)  # every env's first episode, truncated at the limit
 
 
 @pytest.mark.parametrize(
@@ -201,6 +257,7 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
         (["--env-id", "XLand-MiniGrid-R1-9x9"], "XLand-MiniGrid's meta-RL envs need a ruleset benchmark"),
         (["--env-id", "MinAtar-Breakout"], "(pgx's MinAtar ids are lowercase: minatar-breakout, ...)"),
         (["--env-id", "Breakout-v5"], "--env-id must be one of MiniGrid-"),
+        (["--env-id", "CartpoleBalance"], "(CartpoleBalance has continuous actions: the other Anakin PPO script's)"),
         (["--num-minibatches", "3"], "--num-minibatches (3) must divide the samples per learner device (--num-steps"),
         (["--learning-rate", "-1"], "--learning-rate must be positive and finite, got -1.0"),
         (["--gae-lambda", "2"], "--gae-lambda must be in [0, 1], got 2.0"),
@@ -215,7 +272,27 @@ def test_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
     args = parse_flags(anakin.Args, [*TINY, *flags])
     with pytest.raises(UsageError) as error:
         anakin.validate_args(args)
-        anakin.check_env_id(args.env_id)
+        anakin.check_env_id(args.env_id, discrete=True)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--env-id", "CartpoleBalance-v1"], "(these ids have no version: CartpoleBalance)"),
+        (
+            ["--env-id", "MiniGrid-Empty-5x5"],
+            "(MiniGrid-Empty-5x5 has discrete actions: the other Anakin PPO script's)",
+        ),
+        (["--env-id", "Go1JoystickFlatTerrain"], "--env-id must be one of AcrobotSwingup, "),
+        (["--num-minibatches", "3"], "--num-minibatches (3) must divide the samples per learner device (--num-steps"),
+    ],
+)
+def test_the_continuous_scripts_bad_flags_are_one_usage_error_naming_the_flag(flags, message):
+    args = parse_flags(anakin_continuous.Args, [*TINY, *flags])
+    with pytest.raises(UsageError) as error:
+        anakin_continuous.validate_args(args)
+        anakin_continuous.check_env_id(args.env_id, discrete=False)
     assert message in str(error.value)
 
 
@@ -242,15 +319,16 @@ def seeded_runs(tmp_path_factory, request) -> dict:
         "--checkpoint-frequency",
         "0",
     ]  # 200 updates
-    first = run_script(flags, workdir, "first", script=ANAKIN_SCRIPT)
-    stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
+    script = script_of(request.param)[1]
+    first = run_script(flags, workdir, "first", script=script)
+    stopped = start_script(flags, workdir, "stopped", script)
     try:
         lines = wait_for_line(stopped, "update=4/")
         stopped.send_signal(signal.SIGTERM)
         out, err = stopped.communicate(timeout=60)
     finally:
         stopped.kill()
-    resumed = finish_script(start_script(flags, workdir, "stopped", ANAKIN_SCRIPT), workdir, "stopped")
+    resumed = finish_script(start_script(flags, workdir, "stopped", script), workdir, "stopped")
     return {
         "first": first,
         "stopped": (stopped.returncode, "".join(lines) + out, err),
@@ -307,11 +385,11 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, e
         "--checkpoint-frequency",
         "5",
     ]
-    hosts, shared = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints"
+    hosts, shared, script = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints", script_of(env_id)[1]
     for host in hosts:
         host.mkdir()
     results = finish_processes(
-        start_processes([*flags, "--checkpoint-dir", str(shared)], hosts, 2, run_name="two", script=ANAKIN_SCRIPT)
+        start_processes([*flags, "--checkpoint-dir", str(shared)], hosts, 2, run_name="two", script=script)
     )
     for returncode, _, err in results:
         assert returncode == 0, err[-3000:]
@@ -326,7 +404,7 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, e
     shutil.copytree(shared, one_process)
     shutil.rmtree(one_process / "10")
     flags = [*flags, "--learner-device-ids", "0", "1", "--checkpoint-dir", str(one_process)]
-    one = run_script(flags, workdir, "two", script=ANAKIN_SCRIPT)  # the run's own name, in the working directory
+    one = run_script(flags, workdir, "two", script=script)  # the run's own name, in the working directory
     assert one.returncode == 0, one.stderr[-3000:]
     resumed = DIGESTS.search(re.search(r"resumed from checkpoint: update=5 .*", one.stdout).group(0)).groups()
     assert resumed == saved
@@ -385,3 +463,25 @@ def test_the_readme_command_learns_minigrid_empty_and_saves_an_evaluated_model_w
     print(f"evaluation {trained:.3f}, random policy {random:.3f}, {scalars['charts/SPS'][-1][1]:.0f} SPS")
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
     assert list((workdir / "videos" / "test").glob("eval-episode-0.mp4"))
+
+
+@pytest.mark.slow
+def test_the_readme_continuous_command_learns_cartpole_balance_and_saves_an_evaluated_model(workdir):
+    """The README's CartpoleBalance command of the continuous script (the MuJoCo PPO script's defaults, 8 envs x 256
+    steps) against uniformly random actions on the same evaluation envs (the Control Suite's balance reward is at most
+    1 a step over 1,000 steps; random actions keep the pole up for a while: about 300-400)."""
+    run = run_script(
+        [*CONTINUOUS_README_FLAGS, "--save-model", "--eval-episodes", "4", "--log-frequency", "10"],
+        workdir,
+        script=CONTINUOUS_ANAKIN_SCRIPT,
+        timeout=500,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = run.scalars()
+    trained = float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
+    envs = anakin_continuous.make_env("CartpoleBalance", seed=123, num_envs=4)
+    rng = np.random.default_rng(0)
+    policy = lambda obs, key: (rng.uniform(-1, 1, size=(len(obs), 1)).astype(np.float32), key)
+    random = float(np.mean(run_episodes(envs, policy, 4, jax.random.key(0))))
+    print(f"evaluation {trained:.1f}, random policy {random:.1f}, {scalars['charts/SPS'][-1][1]:.0f} SPS")
+    assert trained > 800 and trained > random + 300, (trained, random)

@@ -210,6 +210,20 @@ def test_checkpoint_round_trip_with_keys_and_digests(tmp_path, monkeypatch, caps
         checkpoints_of(args).restore(template, **restore_values(other_batch), summary=str)
 
 
+def test_a_checkpoint_round_trips_arrays_of_zero_size(tmp_path, monkeypatch):
+    """MJX's state (the continuous Anakin script's envs) has fields of zero size, which orbax refuses: they are saved as
+    placeholders and restored from the template, with the shapes and the digest of the state as saved."""
+    monkeypatch.chdir(tmp_path)
+    args = TinyArgs()
+    checkpoints = Checkpoints("runs/run/checkpoints", keep=2, world_size=1)
+    state = {"act": np.zeros((8, 0), np.float32), "qpos": np.arange(16, dtype=np.float32).reshape(8, 2)}
+    checkpoints.save(3, state, **save_values(args, 3), summary="")
+    template = {"act": np.zeros((8, 0), np.float32), "qpos": np.zeros((8, 2), np.float32)}
+    restored, update = checkpoints_of(args).restore(template, **restore_values(args), summary=lambda s: "ok")
+    assert update == 3 and restored["act"].shape == (8, 0) and restored["act"].dtype == np.float32
+    np.testing.assert_array_equal(restored["qpos"], state["qpos"])
+
+
 def test_resume_without_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     state, update = checkpoints_of(TinyArgs()).restore({"x": np.zeros(2)}, **restore_values(TinyArgs()), summary=str)

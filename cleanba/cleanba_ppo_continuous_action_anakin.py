@@ -1,0 +1,587 @@
+"""Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) with a Gaussian policy for JAX-native envs with
+continuous actions: MuJoCo Playground's DeepMind Control Suite on MJX (cleanrl_utils/jax_envs.py's adapter), so
+`--env-id` picks the task.
+
+It is the Anakin PPO script (discrete actions: MiniGrid, MinAtar) with the MuJoCo PPO script's policy, normalization
+and defaults: `diff` it with either. One file, read top to bottom: `Args`, the env factory, the networks, the pure math
+(advantage estimation, losses: the MuJoCo PPO script's functions), the rollout, the learner update, the evaluation
+policy, and `main`: the Anakin loop itself. What is the same for every algorithm (checkpoints, preemption, device
+layout, logging) comes from cleanrl_utils/, one small module each.
+
+System in one paragraph: the envs are written in JAX, so acting, stepping the envs and learning are one
+compiled program. On each learner device, a `vmap` over its `--local-num-envs` envs of the policy and the env step is
+scanned for `--num-steps`; then GAE, and PPO's epochs and minibatches, all inside one `jax.jit` of a `shard_map` over
+the learner devices of every process (the Sebulba scripts' 1-D mesh "batch"), gradients summed with `psum`, so
+`--distributed` (jax.distributed) scales it across hosts. The envs' state is part of the learner state, sharded along
+the env axis: a checkpoint holds it, and a resumed run continues bit for bit. The actor is the learner's current policy
+(lag 0): no threads, no queues, no host-device copies of observations.
+
+Continuous control as in the MuJoCo PPO script (CleanRL's ppo_continuous_action, Huang et al. 2022): diagonal Gaussian
+with a state-independent log-std, actions clipped to the bounds by the env step only, separate 64x64 tanh MLPs,
+observation and reward normalization with running statistics that belong to the training state (and the checkpoint).
+"""
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.serialization import to_state_dict
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from cleanrl_utils.checkpoints import tree_digest
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env
+from cleanrl_utils.normalization import (
+    RunningMeanStd,
+    batch_running_stats,
+    merge_running_stats,
+    normalize_obs,
+    scale_rewards,
+)
+from cleanrl_utils.run import AnakinRun
+from cleanrl_utils.saved_model import check_save_model_flags
+
+
+@dataclass
+class Args(AnakinArgs):  # the run's and Anakin's flags (cleanrl_utils/flags.py), then PPO's
+    env_id: str = "CartpoleBalance"
+    """a MuJoCo Playground DeepMind Control Suite task (CartpoleBalance, CheetahRun, WalkerWalk, ...: Playground's
+    names, without a version)"""
+    total_timesteps: int = 1_000_000
+    """total agent steps, summed over all envs and processes (PPO paper, Sec. 6.1: 1M) (in [1, 2**53])"""
+    learning_rate: float = 3e-4
+    """the learning rate of the optimizer (PPO paper, Table 3) (positive, finite)"""
+    local_num_envs: int = 8
+    """the number of parallel envs on each learner device (positive)"""
+    num_steps: int = 256
+    """the steps of each rollout: 8 envs x 256 steps = the PPO paper's 2048 (Table 3) (positive)"""
+    anneal_lr: bool = True
+    """toggle linear annealing of the learning rate to 0 (baselines' PPO2 MuJoCo setting, as in CleanRL)"""
+    gamma: float = 0.99
+    """the discount factor gamma (PPO paper, Table 3) (in [0, 1])"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation (PPO paper, Table 3) (in [0, 1])"""
+    num_minibatches: int = 32
+    """the number of mini-batches per epoch, on each learner device (PPO paper, Table 3: 2048 / 64) (positive)"""
+    update_epochs: int = 10
+    """the K epochs to update the policy (PPO paper, Table 3) (positive)"""
+    norm_adv: bool = True
+    """toggles advantages normalization (with the mean and std of the whole minibatch, over every learner device)"""
+    clip_coef: float = 0.2
+    """the surrogate clipping coefficient (PPO paper, Table 1 and Sec. 6.1: epsilon = 0.2) (positive, finite)"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function (as in OpenAI baselines)"""
+    ent_coef: float = 0.0
+    """coefficient of the entropy (PPO paper, Sec. 6.1: no entropy bonus on MuJoCo) (non-negative, finite)"""
+    vf_coef: float = 0.5
+    """the value loss's weight (baselines' PPO2: it counts in the gradient clip) (non-negative, finite)"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping (baselines' PPO2) (positive, finite)"""
+    hiddens: list[int] = field(default_factory=lambda: [64, 64])
+    """the hidden layers of the policy and of the value MLP (PPO paper, Sec. 6.1: two tanh layers of 64) (positive)"""
+
+
+def validate_args(args: Args):
+    """Checks that need no device: run before JAX starts any backend (a UsageError names the flag)."""
+    check_run_flags(args)
+    check_flags(
+        args,
+        positive_ints=["local_num_envs", "num_steps", "num_minibatches", "update_epochs"],
+        positive=["learning_rate", "clip_coef", "max_grad_norm"],
+        non_negative=["ent_coef", "vf_coef"],
+        unit_interval=["gamma", "gae_lambda"],
+        positive_int_lists=["hiddens"],
+    )
+    if (args.num_steps * args.local_num_envs) % args.num_minibatches != 0:
+        raise UsageError(
+            f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
+            f"(--num-steps x --local-num-envs = {args.num_steps} x {args.local_num_envs})"
+        )
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+
+
+# ---------------------------------------------------------------- environments
+
+
+def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = None):
+    """The evaluator's envs (cleanrl_utils.evals): training steps its envs inside the compiled update instead."""
+    return JaxVectorEnvs(env_id, seed, num_envs, render_mode)
+
+
+# ---------------------------------------------------------------- networks
+
+
+class MLP(nn.Module):
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
+
+
+class Agent(nn.Module):
+    """Gaussian policy (mean from an MLP, state-independent log-std parameter) and value, with separate
+    actor and critic MLPs as in baselines' PPO2 for MuJoCo and CleanRL's ppo_continuous_action."""
+
+    action_dim: int
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, obs):
+        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
+        action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
+        value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
+        return action_mean, action_logstd, value.squeeze(-1)
+
+
+def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
+    """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
+    env = make_jax_env(args.env_id)
+    agent = Agent(env.action_dim, tuple(args.hiddens))
+
+    def linear_schedule(count):
+        # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
+        frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
+        return args.learning_rate * frac
+
+    return agent, AgentState.create(
+        apply_fn=None,
+        params=agent.init(key, np.zeros((1, *env.observation_shape), np.float32)),
+        tx=optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.inject_hyperparams(optax.adam)(
+                learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
+            ),
+        ),
+        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+        obs_rms=jax.tree.map(
+            np.float32, RunningMeanStd(np.zeros(env.observation_shape), np.ones(env.observation_shape), 1e-4)
+        ),
+        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+    )
+
+
+# ---------------------------------------------------------------- math (the MuJoCo PPO script's, unchanged)
+
+
+class Rollout(NamedTuple):
+    """One learner device's rollout: every field is time-major, (time, envs, ...), so the env axis is always 1.
+    `obs` are the network's inputs, normalized with the statistics of the params that acted; `raw_obs` and the raw
+    rewards update the statistics."""
+
+    obs: jax.Array
+    raw_obs: jax.Array
+    actions: jax.Array  # the unclipped Gaussian samples, (time, envs, action_dim)
+    logprobs: jax.Array
+    values: jax.Array
+    rewards: jax.Array
+    discounted_returns: jax.Array  # per env, reset at episode ends: their std scales the rewards
+    terminations: jax.Array
+    truncations: jax.Array
+    valid: jax.Array  # False for the auto-reset step after an episode end: its action is ignored
+    bootstrap_value: jax.Array  # (1, envs): V(obs after the last step)
+
+
+class Batch(NamedTuple):
+    """The learner's samples: a rollout with advantages and returns, flattened over (time, envs)."""
+
+    obs: jax.Array  # normalized, as the actor's network saw them
+    actions: jax.Array
+    logprobs: jax.Array
+    values: jax.Array
+    advantages: jax.Array
+    returns: jax.Array
+    valid: jax.Array
+
+
+class AgentState(TrainState):
+    """Params, optimizer state and the running statistics: all checkpointed, so a resumed run normalizes as before."""
+
+    obs_rms: RunningMeanStd
+    return_rms: RunningMeanStd
+
+
+def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
+
+    The env returns the true last observation of an episode together with its end flag and resets on the *next*
+    step, so the value stored at t+1 is V(last observation). A termination stops the bootstrap (its value is 0 by
+    definition); a time-limit truncation is not a termination, so it bootstraps from the value of the truncated
+    state. Either end stops the lambda-trace, since the transition after it is the reset step (masked out of the
+    loss by `valid`).
+    """
+    next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
+    episode_ends = jnp.logical_or(terminations, truncations)
+    deltas = rewards + gamma * next_values * (1.0 - terminations) - values
+
+    def backward(next_advantage, step):
+        delta, episode_end = step
+        advantage = delta + gamma * gae_lambda * (1.0 - episode_end) * next_advantage
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(backward, jnp.zeros_like(bootstrap_value), (deltas, episode_ends), reverse=True)
+    return advantages, advantages + values
+
+
+def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, gae_lambda: float):
+    """A learner device's envs of the rollout as samples: the running statistics updated with the rollout of every
+    learner device (the same on each), rewards scaled with them (as gym's NormalizeReward), advantages and returns,
+    then (time, envs) flattened; inside `shard_map` over the mesh axis "batch". Returns (agent_state, Batch)."""
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
+    obs_rms = merge_running_stats(
+        agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
+    )
+    # the reset steps are not steps of an episode: their (zero) returns do not count
+    return_rms = merge_running_stats(
+        agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
+    )
+    agent_state = agent_state.replace(obs_rms=obs_rms, return_rms=return_rms)
+    advantages, returns = compute_gae(
+        rewards=scale_rewards(return_rms, storage.rewards),
+        values=storage.values,
+        bootstrap_value=storage.bootstrap_value[0],
+        terminations=storage.terminations,
+        truncations=storage.truncations,
+        gamma=gamma,
+        gae_lambda=gae_lambda,
+    )
+    fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
+    return agent_state, Batch(*map(flat, fields))
+
+
+def normalize_advantages(advantages, valid, axis_name: str):
+    """Advantages standardized with the mean and std of the valid samples of the whole minibatch, the parts of every
+    learner device summed over `axis_name`: the same update on any number of learner devices."""
+    count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
+    mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
+    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    return (advantages - mean) / (std + 1e-8)
+
+
+def ppo_loss_terms(
+    *,
+    new_logprobs,
+    entropy,
+    new_values,
+    old_logprobs,
+    old_values,
+    advantages,
+    returns,
+    valid,
+    normalizer,
+    clip_coef,
+    clip_vloss,
+):
+    """Clipped-surrogate PPO losses (Schulman et al. 2017), each a sum over valid samples / normalizer.
+
+    Returns (policy_loss, value_loss, entropy, approx_kl). approx_kl is the k3 estimator
+    E[(r - 1) - log r] (Schulman 2020), unbiased and non-negative.
+    """
+    valid = valid.astype(jnp.float32)
+    logratio = new_logprobs - old_logprobs
+    ratio = jnp.exp(logratio)
+    pg_loss = jnp.maximum(-advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_coef, 1 + clip_coef))
+    if clip_vloss:
+        clipped_values = old_values + jnp.clip(new_values - old_values, -clip_coef, clip_coef)
+        v_loss = 0.5 * jnp.maximum((new_values - returns) ** 2, (clipped_values - returns) ** 2)
+    else:
+        v_loss = 0.5 * (new_values - returns) ** 2
+    approx_kl = (ratio - 1) - logratio
+    return tuple((x * valid).sum() / normalizer for x in (pg_loss, v_loss, entropy, approx_kl))
+
+
+def gaussian_logprob_entropy(action_mean, action_logstd, actions):
+    """Diagonal Gaussian: log-density of `actions` and entropy, summed over the (independent) action dimensions."""
+    action_logstd = jnp.broadcast_to(action_logstd, action_mean.shape)
+    z = (actions - action_mean) * jnp.exp(-action_logstd)
+    logprob = -0.5 * z**2 - action_logstd - 0.5 * jnp.log(2 * jnp.pi)
+    entropy = action_logstd + 0.5 * (1.0 + jnp.log(2 * jnp.pi))
+    return logprob.sum(-1), entropy.sum(-1)
+
+
+def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
+    """A learner device's part of the PPO loss of the global minibatch (each term a sum over its valid samples divided
+    by the whole minibatch's count: the parts add up to the loss); inside `shard_map` over the mesh axis "batch".
+    Returns (loss, (policy_loss, value_loss, entropy, approx_kl))."""
+    action_mean, action_logstd, new_values = agent.apply(params, minibatch.obs)
+    new_logprobs, entropy = gaussian_logprob_entropy(action_mean, action_logstd, minibatch.actions)
+    advantages, valid = minibatch.advantages, minibatch.valid
+    if args.norm_adv:
+        advantages = normalize_advantages(advantages, valid, "batch")
+    normalizer = jnp.maximum(jax.lax.psum(valid.sum(), "batch"), 1).astype(jnp.float32)
+    pg_loss, v_loss, entropy_loss, approx_kl = ppo_loss_terms(
+        new_logprobs=new_logprobs,
+        entropy=entropy,
+        new_values=new_values,
+        old_logprobs=minibatch.logprobs,
+        old_values=minibatch.values,
+        advantages=advantages,
+        returns=minibatch.returns,
+        valid=valid,
+        normalizer=normalizer,
+        clip_coef=args.clip_coef,
+        clip_vloss=args.clip_vloss,
+    )
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    return loss, (pg_loss, v_loss, entropy_loss, approx_kl)
+
+
+# ---------------------------------------------------------------- actor: the envs, stepped on the learner devices
+
+
+class EnvState(NamedTuple):
+    """The envs and what the logger reads of them; every field has the env axis first (sharded over the devices)."""
+
+    state: object  # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
+    action_keys: jax.Array  # each env's own key for its actions: the same stream on any device layout
+    discounted_returns: jax.Array  # of the episode so far: its std scales the rewards
+    episode_returns: jax.Array  # of the episode under way
+    episode_lengths: jax.Array
+    returned_episode_returns: jax.Array  # of each env's last finished episode (NaN before its first), as logged
+    returned_episode_lengths: jax.Array
+
+
+def reset_envs(env, key: jax.Array, num_envs: int, sharding: NamedSharding) -> EnvState:
+    """`num_envs` envs (all processes'), env i reset with key i of `key`'s split, laid out along the mesh."""
+
+    def reset(key):
+        reset_keys, action_keys = jax.random.split(key, (2, num_envs))
+        nan = jnp.full(num_envs, jnp.nan, jnp.float32)
+        state = jax.vmap(env.reset)(reset_keys)
+        zeros = jnp.zeros(num_envs)
+        return EnvState(state, action_keys, zeros, zeros, jnp.zeros(num_envs, jnp.int32), nan, nan)
+
+    return jax.jit(reset, out_shardings=sharding)(key)
+
+
+def rollout(*, agent: Agent, env, agent_state: AgentState, envs: EnvState, num_steps: int, gamma: float):
+    """One device's envs stepped `num_steps` times with the current policy and observation statistics: a `vmap` over
+    envs, scanned over time. Returns (envs, Rollout)."""
+    episode_ended = jax.vmap(lambda state: env.terminated(state) | env.truncated(state))
+
+    def step(envs: EnvState, _):
+        keys = jax.vmap(jax.random.split)(envs.action_keys)
+        raw_obs, valid = jax.vmap(env.observation)(envs.state), ~episode_ended(envs.state)  # after an end: the reset
+        obs = normalize_obs(agent_state.obs_rms, raw_obs)
+        action_mean, action_logstd, value = agent.apply(agent_state.params, obs)
+        noise = jax.vmap(lambda key: jax.random.normal(key, action_mean.shape[1:]))(keys[:, 1])
+        action = action_mean + jnp.exp(action_logstd) * noise
+        logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
+        # the env gets the action clipped to its bounds (the adapter clips); the loss keeps the sample
+        state = jax.vmap(env.step)(envs.state, action)
+        reward, terminated, truncated = (jax.vmap(f)(state) for f in (env.reward, env.terminated, env.truncated))
+        episode_end = terminated | truncated
+        discounted_returns = envs.discounted_returns * gamma + reward
+        # each env's last finished episode (the Sebulba scripts' cleanrl_utils.logger.EpisodeStats, in JAX)
+        episode_returns = envs.episode_returns + reward
+        episode_lengths = envs.episode_lengths + valid
+        envs = EnvState(
+            state,
+            keys[:, 0],
+            jnp.where(episode_end, 0.0, discounted_returns),
+            jnp.where(episode_end, 0.0, episode_returns),
+            jnp.where(episode_end, 0, episode_lengths),
+            jnp.where(episode_end, episode_returns, envs.returned_episode_returns),
+            jnp.where(episode_end, episode_lengths, envs.returned_episode_lengths),
+        )
+        return envs, (obs, raw_obs, action, logprob, value, reward, discounted_returns, terminated, truncated, valid)
+
+    envs, (obs, raw_obs, actions, logprobs, values, rewards, discounted_returns, terminations, truncations, valid) = (
+        jax.lax.scan(step, envs, length=num_steps)
+    )
+    last_obs = normalize_obs(agent_state.obs_rms, jax.vmap(env.observation)(envs.state))
+    bootstrap_value = agent.apply(agent_state.params, last_obs)[2][None]
+    float32 = lambda x: x.astype(jnp.float32)
+    storage = Rollout(
+        obs,
+        raw_obs,
+        actions,
+        logprobs,
+        values,
+        rewards,
+        discounted_returns,
+        float32(terminations),
+        float32(truncations),
+        valid,
+        bootstrap_value,
+    )
+    return envs, storage
+
+
+def episode_stats(envs: EnvState) -> dict:
+    """This process's envs' last finished episodes, for the logger (`cleanrl_utils.logger.EpisodeStats.read()`)."""
+    local = lambda x: np.concatenate([np.asarray(shard.data) for shard in x.addressable_shards])
+    return {
+        "returned_episode_returns": local(envs.returned_episode_returns),
+        "returned_episode_lengths": local(envs.returned_episode_lengths),
+    }
+
+
+# ---------------------------------------------------------------- learner: one compiled program per update
+
+
+class LearnerState(NamedTuple):
+    """What the learner carries from update to update, and what a checkpoint holds."""
+
+    agent: AgentState  # params, optimizer state and running statistics, replicated over the learner devices
+    key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
+    envs: EnvState  # the envs, sharded along the env axis over the learner devices
+
+
+def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
+    """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
+    advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`."""
+    replicated, sharded_envs = P(), P("batch")
+    state_specs = LearnerState(replicated, replicated, sharded_envs)
+    minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
+    names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
+    loss_fn = partial(ppo_loss, agent=agent, args=args)
+    batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
+
+    def minibatch_update(agent_state: AgentState, batch: Batch, permutation, minibatch_index):
+        indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
+        minibatch = jax.tree.map(lambda x: jnp.take(x, indices, axis=0), batch)
+        # this device's gradient (without shard_map's replication checks, see below), summed over the devices
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(agent_state.params, minibatch)
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), "batch")
+        agent_state = agent_state.apply_gradients(grads=grads)
+        return agent_state, (loss, *metrics)
+
+    def shuffle(key):
+        """Each learner device permutes its own samples with its own key."""
+        key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
+        return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    def learn(batch: Batch, agent_state: AgentState, key):
+        def epoch(carry, _):
+            agent_state, key = carry
+            key, shuffle_key = jax.random.split(key)
+            permutation = shuffle(shuffle_key)
+            agent_state, metrics = jax.lax.scan(
+                lambda agent_state, index: minibatch_update(agent_state, batch, permutation, index),
+                agent_state,
+                jnp.arange(args.num_minibatches),
+            )
+            return (agent_state, key), metrics
+
+        (agent_state, key), metrics = jax.lax.scan(epoch, (agent_state, key), length=args.update_epochs)
+        return agent_state, key, metrics
+
+    def update(state: LearnerState) -> tuple[LearnerState, dict]:
+        agent_state, key, envs = state
+        envs, storage = rollout(
+            agent=agent, env=env, agent_state=agent_state, envs=envs, num_steps=args.num_steps, gamma=args.gamma
+        )
+        agent_state, batch = batch_of(agent_state, storage)  # the running statistics updated with the rollout
+        agent_state, key, metrics = learn(batch, agent_state, key)
+        metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
+        metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
+        return LearnerState(agent_state, key, envs), metrics
+
+    # check_vma=False: the adapters' env steps have `lax.cond`s with a constant branch, which shard_map's
+    # replication checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
+    update = jax.shard_map(
+        update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
+    )
+    return jax.jit(update, donate_argnums=(0,))
+
+
+# ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
+# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
+# `make_jax_env`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
+# `check_runtime_values` from this script)
+
+
+def saved_model(state: LearnerState) -> dict:
+    """What --save-model writes next to the flags: what `make_eval_policy` reads."""
+    return {
+        "params": to_state_dict(local_value(state.agent.params)),
+        "obs_rms": local_value(state.agent.obs_rms)._asdict(),  # the policy's input normalization
+    }
+
+
+def make_eval_policy(args: Args, model: dict, greedy: bool):
+    """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
+    statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
+    env = make_jax_env(args.env_id)
+    agent = Agent(env.action_dim, tuple(args.hiddens))
+    obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
+    params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
+
+    @jax.jit
+    def act(params, obs, key):
+        agent_params, obs_rms = params
+        action_mean, action_logstd, _ = agent.apply(agent_params, normalize_obs(obs_rms, obs))
+        key, subkey = jax.random.split(key)
+        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        return jnp.clip(action_mean + noise, env.action_low, env.action_high), key
+
+    def policy(obs: np.ndarray, key: jax.Array):
+        actions, key = act(params, np.asarray(obs, np.float32), key)
+        return np.asarray(actions), key
+
+    return policy
+
+
+# ---------------------------------------------------------------- main: the Anakin loop
+
+
+def check_runtime_values(args: Args, layout: DeviceLayout):
+    """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags), and of --env-id:
+    importing MuJoCo Playground starts JAX's backend, so the ids are checked once the devices and jax.distributed
+    have started, in every process."""
+    check_env_id(args.env_id, discrete=False)
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    check_int32_counts(args, {"optimizer steps": schedule})
+
+
+def state_summary(state: LearnerState) -> str:
+    """Digests of the learner's state for the console: equal digests, bitwise equal states."""
+    return f"params sha256={tree_digest(state.agent.params)} envs sha256={tree_digest(state.envs)}"
+
+
+def main(args: Args) -> int:
+    validate_args(args)  # bad flags stop here, before JAX starts a backend
+    run = AnakinRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # every key is the same in every process: each env's keys are its own slice of envs_key's split
+    agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
+    agent, agent_state = make_agent(args, agent_key)
+    env = make_jax_env(args.env_id)
+    num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
+    envs = reset_envs(env, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
+    learner_update = make_learner_update(args, agent, env, run.mesh)
+    # replicated over the mesh as the update returns them: the second update does not compile anew
+    state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
+    state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
+
+    # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
+    with run.supervise():  # SIGTERM / Ctrl-C end the loop after an update
+        for update in run.updates():
+            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            state, metrics = learner_update(state)
+            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            # log (with this process's envs' episodes); checkpoint every --checkpoint-frequency
+            run.end_update(update, state, metrics, episode_stats(state.envs))
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main, Args))
