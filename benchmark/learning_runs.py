@@ -14,19 +14,20 @@ MinAtar PPO example).
         minatar-freeway minatar-seaquest minatar-space_invaders --total-timesteps 20000000 --final-window 1 \\
         --flags="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \\
         --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64 --log-frequency 1 \\
-        --checkpoint-frequency 0" \\
+        --checkpoint-frequency 0 --save-model --eval-episodes 100" \\
         --results benchmark/results/minatar_ppo.jsonl --output static/minatar_ppo.png
     uv run python benchmark/learning_runs.py ... --table-only        # the table and figure from --results
 
 A variant of the on-policy script is its `--policy-loss`; of the MuJoCo PPO script, `default` (no flag) or any flags
-given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name bench_{script}_{variant}` plus --flags (default:
-one actor thread of 8 envs, the same 2048-step batch as the defaults' 2 threads x 4 envs with one busy thread per core
-here; a0-l1; every update logged). A run's final return is the mean of its last --final-window logged
-`charts/avg_episodic_return` (10 with every update logged: the last 20,480 env steps of a MuJoCo run; MinAtar's 1: the
-episodes that ended in the last update of 524,288 env steps). Each run appends a JSON line (with the processor and
-the date) to --results; the Markdown table (mean ± std over seeds per variant and env, beside the published mean,
-marking a mean more than two of the published standard deviations below it) is printed and the figure (mean over
-seeds, min-max band, the published mean as a line) is written to --output.
+given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name bench_{script}_{variant}` plus --flags (default: one
+actor thread of 8 envs, the same 2048-step batch as the defaults' 2 threads x 4 envs with one busy thread per core here;
+a0-l1; every update logged). A run's final return is the mean of its last --final-window logged
+`charts/avg_episodic_return` (10 with every update logged: the last 20,480 env steps of a MuJoCo run; MinAtar's 1: each
+env's last finished episode at the end, some of them begun updates before); with --save-model in --flags, the saved
+model's evaluation (sampled actions, as pgx's example evaluates) is recorded too, as `eval_return`. Each run appends a
+JSON line (with the processor and the date) to --results; the Markdown table (mean ± std over seeds per variant and env,
+beside the published mean, marking a mean more than two of the published standard deviations below it) is printed and
+the figure (mean over seeds, min-max band, the published mean as a line) is written to --output.
 """
 
 import datetime
@@ -59,14 +60,15 @@ CLEANRL_PPO = {
     "Humanoid-v4": (716.11, 49.08),
     "Pusher-v4": (-40.38, 7.15),
 }
-# pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo): its README's plots at 20M steps, read by eye (the
-# evaluation return of the sampled policy over 100 episodes; the plots' spread is not given, so std is None)
+# pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo/assets/*.png, its README's plots): the last point of
+# each curve at 20M steps, read from the plot (the evaluation return of the sampled policy, one episode in each of 100
+# envs, mean over its seeds; the plots' bands are not given as numbers, so std is None)
 PGX_MINATAR_PPO = {
     "minatar-breakout": (50.0, None),
-    "minatar-asterix": (23.5, None),
-    "minatar-freeway": (63.0, None),
-    "minatar-seaquest": (54.0, None),
-    "minatar-space_invaders": (145.0, None),
+    "minatar-asterix": (22.3, None),
+    "minatar-freeway": (63.5, None),
+    "minatar-seaquest": (54.3, None),
+    "minatar-space_invaders": (144.5, None),
 }
 PUBLISHED = {  # per script: (its name in the table, {env id: (mean, std)})
     "ppo_continuous_action": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
@@ -120,6 +122,9 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
         raise SystemExit(f"{' '.join(command)} failed:\n{completed.stderr[-3000:]}")
     run_dir = find_runs("runs", env_id, exp_name)[seed]
     _, _, returns = read_run(run_dir, "charts/avg_episodic_return")
+    evaluation = {}
+    if "--save-model" in command:  # the saved model's evaluation (sampled actions unless --eval-greedy)
+        evaluation = {"eval_return": float(read_run(run_dir, "eval/episodic_return")[2].mean())}
     return {
         "script": args.script,
         "env_id": env_id,
@@ -129,6 +134,7 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
         "final_return": float(returns[-args.final_window :].mean()),
         "best_return": float(returns.max()),
         "last_return": float(returns[-1]),
+        **evaluation,
         "wall_s": round(wall, 1),
         "run_dir": str(run_dir),
         "processor": processor(),

@@ -125,7 +125,7 @@ class MLP(nn.Module):
 
 
 class MinAtarTorso(nn.Module):
-    """pgx's MinAtar PPO example's torso: a 2x2 convolution of 32 channels (SAME padding), ReLU, 2x2 average pooling,
+    """pgx's MinAtar PPO example's torso: a 2x2 convolution of 32 channels (SAME padding), ReLU, its average pooling,
     a ReLU layer of 64 (after the MinAtar paper's one-conv network, Young & Tian 2019, Sec. 4). The convolution is a
     Dense layer on each cell's 2x2 patch, the same function as `nn.Conv` (a test checks it): on a CPU, XLA computes
     a convolution's weight gradient inside `lax.scan` about 19x slower (docs/rl-algorithms/ppo_anakin.md)."""
@@ -133,12 +133,14 @@ class MinAtarTorso(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = x.astype(jnp.float32)
-        height, width = x.shape[1:3]
+        batch, height, width, _ = x.shape
         padded = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))  # SAME for a 2x2 kernel: a row and a column after
         patches = jnp.concatenate([padded[:, i : i + height, j : j + width] for i in (0, 1) for j in (0, 1)], -1)
         x = nn.relu(nn.Dense(32, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(patches))
-        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
-        return nn.relu(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((x.shape[0], -1))))
+        # pgx's `hk.avg_pool(x, window_shape=(2, 2), strides=(2, 2))`: haiku reads a window shorter than the input's
+        # rank as one over its last axes, so it averages pairs of columns and pairs of channels and keeps every row
+        x = x.reshape(batch, height, width // 2, 2, 16, 2).mean((3, 5))
+        return nn.relu(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((batch, -1))))
 
 
 class Agent(nn.Module):

@@ -4,8 +4,10 @@ bad input, determinism and exact resume (the envs included), two processes, for 
 MiniGrid-Empty-5x5 and CartpoleBalance against the random policy."""
 
 import re
+import shlex
 import shutil
 import signal
+import sys
 from functools import partial
 
 import flax
@@ -15,6 +17,7 @@ import pytest
 from conftest import (
     ANAKIN_SCRIPT,
     CONTINUOUS_ANAKIN_SCRIPT,
+    REPO,
     finish_processes,
     finish_script,
     load_script,
@@ -37,14 +40,14 @@ anakin_continuous = load_script(CONTINUOUS_ANAKIN_SCRIPT)
 # tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
 TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
 FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "CartpoleBalance"]  # an env of each library jax_envs adapts
+# MJX's physics takes tens of seconds to compile on a CPU: CartpoleBalance's in-process tests are in the slow tier
+IN_PROCESS_FAMILIES = [*FAMILIES[:2], pytest.param("CartpoleBalance", marks=pytest.mark.slow)]
 DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
     "--env-id MiniGrid-Empty-5x5 --local-num-envs 32 --num-steps 32 --num-minibatches 4 --update-epochs 4 "
     "--learning-rate 1e-3 --hiddens 64 64 --total-timesteps 61440"
 ).split()
-# the README's CPU command of the continuous script: its defaults (the MuJoCo PPO script's), 150 updates
-CONTINUOUS_README_FLAGS = "--env-id CartpoleBalance --total-timesteps 307200".split()
 
 
 def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
@@ -103,6 +106,7 @@ def test_minatar_adapter_steps_as_pgx_and_resets_the_step_after_an_episode_end()
     assert frame.shape == (1, 80, 80, 3) and frame.dtype == np.uint8 and frame.any()
 
 
+@pytest.mark.slow
 def test_playground_adapter_steps_as_playground_truncates_at_the_time_limit_and_resets_the_step_after():
     """CartpoleBalance against MuJoCo Playground's own step in a plain loop (MJX's JAX implementation): the same
     observations and rewards, actions clipped to [-1, 1]; the 1,000th step is a truncation (the Control Suite's time
@@ -146,6 +150,23 @@ def test_minatar_torsos_patch_layer_is_pgxs_2x2_same_convolution():
     np.testing.assert_allclose(features["Dense_0"]["__call__"][0], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_minatar_torso_pools_as_haikus_avg_pool_with_pgxs_window():
+    """pgx's example pools with `hk.avg_pool(x, window_shape=(2, 2), strides=(2, 2), padding="VALID")`: haiku pads a
+    window shorter than the input's rank with ones in front, so on (batch, 10, 10, 32) the window is (1, 1, 2, 2):
+    pairs of columns and of channels, every row kept. The torso's features against that window, with lax."""
+    torso = anakin.MinAtarTorso()
+    images = np.random.default_rng(1).random((3, 10, 10, 4)) > 0.7
+    params = torso.init(jax.random.key(0), images)["params"]
+    features = torso.apply({"params": params}, images, capture_intermediates=True)[1]["intermediates"]
+    convolved = flax.linen.relu(features["Dense_0"]["__call__"][0])
+    window = (1, 1, 2, 2)
+    pooled = jax.lax.reduce_window(convolved, 0.0, jax.lax.add, window, window, "VALID") / 4
+    assert pooled.shape == (3, 10, 5, 16)
+    dense = params["Dense_1"]
+    expected = flax.linen.relu(pooled.reshape(3, -1) @ dense["kernel"] + dense["bias"])
+    np.testing.assert_allclose(torso.apply({"params": params}, images), expected, rtol=1e-5, atol=1e-5)
+
+
 def script_of(env_id: str):
     """The Anakin script for the env's action kind, and its path."""
     if env_id.startswith("MiniGrid-") or env_id.startswith("minatar-"):
@@ -179,7 +200,7 @@ def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2
     return jax.device_get(state.agent.params), jax.device_get(state.envs), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("env_id", FAMILIES)
+@pytest.mark.parametrize("env_id", IN_PROCESS_FAMILIES)
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are the same
     on one and on two devices (bitwise with discrete actions; continuous actions carry the params' float sums into
@@ -201,7 +222,7 @@ def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id)
     assert not np.allclose(jax.tree.leaves(one_params)[0], jax.tree.leaves(initial[1].params)[0])  # it did update
 
 
-@pytest.mark.parametrize("env_id", FAMILIES)
+@pytest.mark.parametrize("env_id", IN_PROCESS_FAMILIES)
 def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_plain_loop(env_id):
     """Against a plain loop over the rollout's own arrays: `valid` is False exactly after an episode end (the reset
     step), terminations and truncations are the env's, and the returned episode statistics sum the rewards and count
@@ -467,11 +488,17 @@ def test_the_readme_command_learns_minigrid_empty_and_saves_an_evaluated_model_w
 
 @pytest.mark.slow
 def test_the_readme_continuous_command_learns_cartpole_balance_and_saves_an_evaluated_model(workdir):
-    """The README's CartpoleBalance command of the continuous script (the MuJoCo PPO script's defaults, 8 envs x 256
-    steps) against uniformly random actions on the same evaluation envs (the Control Suite's balance reward is at most
-    1 a step over 1,000 steps; random actions keep the pole up for a while: about 300-400)."""
+    """The README's CartpoleBalance command of the continuous script, read from the README and run as written with a
+    saved model (the MuJoCo PPO script's defaults, 8 envs x 256 steps, 307,200 steps) against uniformly random
+    actions on the same evaluation envs (the Control Suite's balance reward is at most 1 a step over 1,000 steps;
+    random actions keep the pole up for a while: about 300-400)."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from readme_commands import readme_commands
+
+    command = shlex.split(readme_commands(str(REPO / "README.md"))["ppo_continuous_action_anakin"])
+    flags = command[command.index(str(CONTINUOUS_ANAKIN_SCRIPT.relative_to(REPO))) + 1 :]
     run = run_script(
-        [*CONTINUOUS_README_FLAGS, "--save-model", "--eval-episodes", "4", "--log-frequency", "10"],
+        [*flags, "--save-model", "--eval-episodes", "4", "--log-frequency", "10"],
         workdir,
         script=CONTINUOUS_ANAKIN_SCRIPT,
         timeout=500,
