@@ -3,6 +3,7 @@
 import atexit
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -379,6 +380,16 @@ def best_window(returns: list[tuple[int, float]], env_steps: int) -> float:
 
     steps, values = (np.array(column) for column in zip(*returns))
     return window_averages(steps, values, env_steps)[0]
+
+
+def page_command_flags(name: str, script: Path, page: Path = REPO / "README.md") -> list[str]:
+    """The flags of a page's CPU command as benchmark/readme_commands.py names it (`r2d2`, `{algorithm}@{env id}`):
+    what a user copies from the README or a docs page, run as written."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from readme_commands import readme_commands
+
+    command = shlex.split(readme_commands(str(page))[name])
+    return command[command.index(str(script.relative_to(REPO))) + 1 :]
 
 
 def untrained_gaussian_return(make_env, env_id: str, episodes: int = 200) -> float:

@@ -4,10 +4,8 @@ bad input, determinism and exact resume (the envs included), two processes, for 
 MiniGrid-Empty-5x5 and CartpoleBalance against the random policy."""
 
 import re
-import shlex
 import shutil
 import signal
-import sys
 from functools import partial
 
 import flax
@@ -17,10 +15,10 @@ import pytest
 from conftest import (
     ANAKIN_SCRIPT,
     CONTINUOUS_ANAKIN_SCRIPT,
-    REPO,
     finish_processes,
     finish_script,
     load_script,
+    page_command_flags,
     run_script,
     start_processes,
     start_script,
@@ -459,29 +457,36 @@ def test_a_diverged_update_stops_with_one_line_and_the_last_finite_checkpoint(wo
     assert re.fullmatch(r"error: update (\d+) diverged .* the last finite state is checkpoint \d+; .*", error), error
 
 
-def random_policy_return(env_id: str, episodes: int) -> float:
-    """Uniformly random actions on the script's own evaluation envs (XLand-MiniGrid's MiniGrid tasks)."""
-    envs = anakin.make_env(env_id, seed=123, num_envs=16)
+def random_policy_return(env_id: str, episodes: int, num_envs: int = 16) -> float:
+    """Uniformly random actions on the script's own evaluation envs (of the actions' kind: one of the discrete
+    actions, or uniform in [-1, 1] for each continuous one)."""
+    envs = script_of(env_id)[0].make_env(env_id, seed=123, num_envs=num_envs)
     rng = np.random.default_rng(0)
-    policy = lambda obs, key: (rng.integers(0, 6, size=len(obs)), key)
+    if envs.env.action_dtype == np.int32:
+        policy = lambda obs, key: (rng.integers(0, envs.env.num_actions, size=len(obs)), key)
+    else:
+        policy = lambda obs, key: (rng.uniform(-1, 1, (len(obs), envs.env.action_dim)).astype(np.float32), key)
     return float(np.mean(run_episodes(envs, policy, episodes, jax.random.key(0))))
+
+
+def evaluated_return(flags: list[str], workdir, env_id: str, timeout: int) -> float:
+    """A run with --save-model: the mean of its saved model's evaluation (sampled actions)."""
+    run = run_script(
+        [*flags, "--save-model", "--log-frequency", "10"], workdir, script=script_of(env_id)[1], timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    scalars = run.scalars()
+    print(f"{env_id}: {scalars['charts/SPS'][-1][1]:.0f} SPS")
+    return float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
 
 
 @pytest.mark.slow
 def test_the_readme_command_learns_minigrid_empty_and_saves_an_evaluated_model_with_a_video(workdir):
     # Reaching the goal pays 1 - 0.9 x steps / 100 (MiniGrid), so the best return is ~0.96; the random policy's is
     # measured here on the same envs (about 0.2)
-    run = run_script(
-        [*README_FLAGS, "--save-model", "--capture-video", "--eval-episodes", "16", "--log-frequency", "10"],
-        workdir,
-        script=ANAKIN_SCRIPT,
-        timeout=400,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    scalars = run.scalars()
-    trained = float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
+    flags = [*README_FLAGS, "--capture-video", "--eval-episodes", "16"]
+    trained = evaluated_return(flags, workdir, "MiniGrid-Empty-5x5", timeout=400)
     random = random_policy_return("MiniGrid-Empty-5x5", episodes=200)
-    print(f"evaluation {trained:.3f}, random policy {random:.3f}, {scalars['charts/SPS'][-1][1]:.0f} SPS")
     assert trained > 0.8 and trained > random + 0.5, (trained, random)
     assert list((workdir / "videos" / "test").glob("eval-episode-0.mp4"))
 
@@ -492,23 +497,7 @@ def test_the_readme_continuous_command_learns_cartpole_balance_and_saves_an_eval
     saved model (the MuJoCo PPO script's defaults, 8 envs x 256 steps, 307,200 steps) against uniformly random
     actions on the same evaluation envs (the Control Suite's balance reward is at most 1 a step over 1,000 steps;
     random actions keep the pole up for a while: about 300-400)."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    from readme_commands import readme_commands
-
-    command = shlex.split(readme_commands(str(REPO / "README.md"))["ppo_continuous_action_anakin"])
-    flags = command[command.index(str(CONTINUOUS_ANAKIN_SCRIPT.relative_to(REPO))) + 1 :]
-    run = run_script(
-        [*flags, "--save-model", "--eval-episodes", "4", "--log-frequency", "10"],
-        workdir,
-        script=CONTINUOUS_ANAKIN_SCRIPT,
-        timeout=500,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    scalars = run.scalars()
-    trained = float(np.mean([v for _, v in scalars["eval/episodic_return"]]))
-    envs = anakin_continuous.make_env("CartpoleBalance", seed=123, num_envs=4)
-    rng = np.random.default_rng(0)
-    policy = lambda obs, key: (rng.uniform(-1, 1, size=(len(obs), 1)).astype(np.float32), key)
-    random = float(np.mean(run_episodes(envs, policy, 4, jax.random.key(0))))
-    print(f"evaluation {trained:.1f}, random policy {random:.1f}, {scalars['charts/SPS'][-1][1]:.0f} SPS")
+    flags = [*page_command_flags("ppo_continuous_action_anakin", CONTINUOUS_ANAKIN_SCRIPT), "--eval-episodes", "4"]
+    trained = evaluated_return(flags, workdir, "CartpoleBalance", timeout=500)
+    random = random_policy_return("CartpoleBalance", episodes=4, num_envs=4)
     assert trained > 800 and trained > random + 300, (trained, random)

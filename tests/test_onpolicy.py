@@ -3,8 +3,6 @@ against plain NumPy on hand-checked batches, the update on one and on two learne
 SIGTERM then resume, bad input, and a learning test per loss against the random policy (InvertedPendulum-v4)."""
 
 import re
-import shlex
-import sys
 from functools import partial
 
 import flax
@@ -20,6 +18,7 @@ from conftest import (
     best_window,
     load_script,
     one_error_line,
+    page_command_flags,
     run_script,
     same_seed_and_resumed_runs,
     start_script,
@@ -429,12 +428,8 @@ def test_the_docs_cartpole_balance_command_reaches_800(workdir):
     """The docs page's CartpoleBalance-v1 command (PPO, 307,200 steps), read from the page and run as written (seed 1,
     about 50 s): an average return of at least 800 over 32,768 consecutive env steps, its bar in
     benchmark/readme_commands.py (10 of 10 seeds there), where N(0, 1) actions, measured here, average about 364."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    from readme_commands import readme_commands
-
     page = REPO / "docs" / "rl-algorithms" / "onpolicy_continuous_action.md"
-    command = shlex.split(readme_commands(str(page))["onpolicy_continuous_action@CartpoleBalance-v1"])
-    flags = command[command.index(str(ONPOLICY_SCRIPT.relative_to(REPO))) + 1 :]
+    flags = page_command_flags("onpolicy_continuous_action@CartpoleBalance-v1", ONPOLICY_SCRIPT, page)
     run = run_script(flags, workdir, script=ONPOLICY_SCRIPT, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     random = untrained_gaussian_return(onpolicy.make_env, "CartpoleBalance-v1", episodes=16)

@@ -5,7 +5,6 @@ The README's plain CartPole command is measured over five seeds by benchmark/rea
 r2d2.md), not here: the masked run learns the harder task with the same script and settings."""
 
 import re
-import shlex
 import subprocess
 import sys
 
@@ -23,6 +22,7 @@ from conftest import (
     finish_processes,
     finish_script,
     load_script,
+    page_command_flags,
     resumes_on_other_layouts,
     run_script,
     same_seed_and_resumed_runs,
@@ -600,10 +600,6 @@ def test_the_readme_cartpole_command_reaches_400(tmp_path):
     """The README's R2D2 command, read from the README and run as written (seed 1, 120k steps, about a minute): an
     average return of at least 400 over 10k consecutive env steps, its bar in benchmark/readme_commands.py, which
     measures seeds 1-10 (docs/rl-algorithms/r2d2.md: 10 of 10, the worst 410.9 on the docs' machine)."""
-    sys.path.insert(0, str(REPO / "benchmark"))
-    from readme_commands import readme_commands
-
-    command = shlex.split(readme_commands(str(REPO / "README.md"))["r2d2"])
-    flags = command[command.index(str(R2D2_SCRIPT.relative_to(REPO))) + 1 :]
+    flags = page_command_flags("r2d2", R2D2_SCRIPT)
     run = run_script(flags, tmp_path, script=R2D2_SCRIPT, timeout=600)
     assert best_window(returns_of(run), 10_000) >= 400, returns_of(run)[::10]
