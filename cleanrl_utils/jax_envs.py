@@ -133,6 +133,15 @@ def _channel_colors(num_channels: int) -> np.ndarray:
     return np.stack([255 * (0.5 + 0.5 * np.cos(2 * np.pi * (hues + shift))) for shift in (0, 1 / 3, 2 / 3)], -1)
 
 
+def playground_registry():
+    """MuJoCo Playground's registry, imported with headless rendering (EGL) for videos unless MUJOCO_GL says otherwise:
+    mujoco reads MUJOCO_GL once, when it is first imported."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    from mujoco_playground import registry
+
+    return registry
+
+
 class PlaygroundState(NamedTuple):
     env: Any  # Playground's State (MJX data, observation, reward, done)
     steps: jax.Array  # the episode's steps so far: the time limit truncates at the config's episode_length
@@ -147,9 +156,7 @@ class PlaygroundEnv:
     action_dtype = jnp.float32
 
     def __init__(self, env_id: str):
-        os.environ.setdefault("MUJOCO_GL", "egl")  # headless rendering for videos (read when mujoco is imported)
-        from mujoco_playground import registry
-
+        registry = playground_registry()
         config = registry.get_default_config(env_id)
         config.impl = "jax"
         self.env = registry.load(env_id, config=config)
@@ -161,6 +168,7 @@ class PlaygroundEnv:
         self.action_dim = int(self.env.action_size)
         self.observation_shape = (int(self.env.observation_size),)
         self.action_low, self.action_high = -np.ones(self.action_dim, np.float32), np.ones(self.action_dim, np.float32)
+        self._renderer = self._render_data = None  # made on the first frame (videos only)
 
     def reset(self, key: jax.Array) -> PlaygroundState:
         reset_key, key = jax.random.split(key)
@@ -192,15 +200,24 @@ class PlaygroundEnv:
         return (state.steps >= self.episode_length) & (state.env.done == 0)
 
     def render(self, state: PlaygroundState) -> np.ndarray:
-        return np.asarray(self.env.render([state.env], height=240, width=320)[0])
+        """The default camera's frame, as Playground's `render` draws one, with one renderer kept for every frame
+        (Playground's makes a renderer, an OpenGL context, per call: 0.4 s a frame here)."""
+        import mujoco
+
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self.env.mj_model, height=240, width=320)
+            self._render_data = mujoco.MjData(self.env.mj_model)
+        data = self._render_data
+        data.qpos, data.qvel = np.asarray(state.env.data.qpos), np.asarray(state.env.data.qvel)
+        mujoco.mj_forward(self.env.mj_model, data)
+        self._renderer.update_scene(data, camera=-1)
+        return self._renderer.render()
 
 
 def env_ids(*, discrete: bool) -> list[str]:
     """Every id the Anakin script of that action kind accepts."""
     if not discrete:
-        from mujoco_playground import registry
-
-        return list(registry.dm_control_suite.ALL_ENVS)
+        return list(playground_registry().dm_control_suite.ALL_ENVS)
     import xminigrid
 
     minigrid = [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]

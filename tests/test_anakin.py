@@ -132,6 +132,10 @@ def test_playground_adapter_steps_as_playground_truncates_at_the_time_limit_and_
         key, reset_key = jax.random.split(key)
     np.testing.assert_allclose(obs[1000], env.env.reset(reset_key).obs, rtol=1e-6)
     assert rewards[1000] == 0
+    # a video's frame: Playground's own render of the same state, with one renderer kept for every frame
+    frame = env.render(start)
+    assert frame.shape == (240, 320, 3) and frame.dtype == np.uint8 and frame.std() > 0
+    np.testing.assert_array_equal(frame, env.env.render([start.env], height=240, width=320)[0])
 
 
 def test_minatar_torsos_patch_layer_is_pgxs_2x2_same_convolution():
