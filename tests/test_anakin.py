@@ -338,10 +338,10 @@ def seeded_runs(tmp_path_factory, request) -> dict:
         "--env-id",
         request.param,
         "--total-timesteps",
-        "25600",
+        "12800",
         "--checkpoint-frequency",
         "0",
-    ]  # 200 updates
+    ]  # 100 updates
     script = script_of(request.param)[1]
     first = run_script(flags, workdir, "first", script=script)
     stopped = start_script(flags, workdir, "stopped", script)
@@ -370,8 +370,8 @@ def test_a_run_logs_every_update_with_the_actor_at_the_learners_version(seeded_r
     scalars = first.scalars()
     for tag in ["charts/SPS", "charts/avg_episodic_return", "charts/learning_rate", "losses/approx_kl"]:
         assert len(scalars[tag]) > 0, tag
-    assert [v for _, v in scalars["stats/actor_policy_version"]] == list(range(200))  # lag 0: the learner's policy
-    assert [step for step, _ in scalars["charts/SPS"]] == [128 * u for u in range(1, 201)]
+    assert [v for _, v in scalars["stats/actor_policy_version"]] == list(range(100))  # lag 0: the learner's policy
+    assert [step for step, _ in scalars["charts/SPS"]] == [128 * u for u in range(1, 101)]
 
 
 @pytest.mark.slow
@@ -379,7 +379,7 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
     returncode, out, err = seeded_runs["stopped"]
     assert returncode == 143, err[-2000:]
     stopped_update = int(re.findall(r"checkpoint saved: update=(\d+)", out)[-1])
-    assert 4 <= stopped_update < 200, out[-2000:]  # stopped mid-run, after the update the signal reached
+    assert 4 <= stopped_update < 100, out[-2000:]  # stopped mid-run, after the update the signal reached
     saved = DIGESTS.search(out.split("checkpoint saved: ")[-1]).groups()
     uninterrupted = final_digests(seeded_runs["first"].stdout)
     resumed = seeded_runs["resumed"]
