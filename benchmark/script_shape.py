@@ -22,6 +22,7 @@ SCRIPTS = {
     "muzero": "cleanba_muzero_envpool_impala_atari_wrapper.py",
     "ppo_anakin": "cleanba_ppo_anakin.py",
     "onpolicy": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
+    "ppo_anakin_continuous": "cleanba_ppo_continuous_action_anakin.py",
 }
 PAIRS = [
     ("ppo", "impala"),
@@ -31,6 +32,8 @@ PAIRS = [
     ("sac", "muzero"),
     ("ppo", "ppo_anakin"),
     ("mujoco_ppo", "onpolicy"),
+    ("ppo_anakin", "ppo_anakin_continuous"),
+    ("mujoco_ppo", "ppo_anakin_continuous"),
 ]
 
 
