@@ -139,7 +139,7 @@ class MinAtarTorso(nn.Module):
         x = nn.relu(nn.Dense(32, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(patches))
         # pgx's `hk.avg_pool(x, window_shape=(2, 2), strides=(2, 2))`: haiku reads a window shorter than the input's
         # rank as one over its last axes, so it averages pairs of columns and pairs of channels and keeps every row
-        x = x.reshape(batch, height, width // 2, 2, 16, 2).mean((3, 5))
+        x = x.reshape(batch, height, width // 2, 2, -1, 2).mean((3, 5))
         return nn.relu(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((batch, -1))))
 
 
