@@ -335,11 +335,13 @@ def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """One line when the real-Slurm tests (tests/test_slurm.py) could not run here, and why."""
-    from slurm_cluster import NOT_RUN
-
-    if NOT_RUN:
-        terminalreporter.write_line(f"the Slurm tests did not run: {NOT_RUN[0]}")
+    """One line when the real-Slurm tests (tests/test_slurm.py) could not run here, and why (read from their skip
+    reports, which reach this process from every pytest-xdist worker)."""
+    for report in terminalreporter.stats.get("skipped", []):
+        if report.nodeid.startswith("tests/test_slurm.py") and isinstance(report.longrepr, tuple):
+            reason = report.longrepr[2].removeprefix("Skipped: ")
+            terminalreporter.write_line(f"the Slurm tests did not run: {reason}")
+            return
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 DAEMONS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun"]
 PACKAGES = "slurmctld slurmd slurm-client munge"
-NOT_RUN: list[str] = []  # why the Slurm tests did not run on this machine (printed once, by conftest)
 
 
 def why_not_here() -> str | None:

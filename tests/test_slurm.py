@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import PPO_SCRIPT, read_scalars, script_env
-from slurm_cluster import NOT_RUN, Cluster, why_not_here
+from slurm_cluster import Cluster, why_not_here
 
 # every test here runs jobs of a few updates each on a real cluster: the slow tier
 pytestmark = pytest.mark.slow
@@ -28,7 +28,6 @@ def cluster(tmp_path_factory):
     if reason is not None:
         if os.environ.get("CLEANBA_REQUIRE_SLURM"):  # .ci/run: the cluster's packages were installed for these tests
             pytest.fail(f"CLEANBA_REQUIRE_SLURM is set, but a Slurm cluster cannot start here: {reason}")
-        NOT_RUN.append(reason)  # conftest prints it once at the end
         pytest.skip(reason)
     cluster = Cluster(tmp_path_factory.mktemp("slurm"))
     try:
