@@ -10,7 +10,9 @@
    of 5 logged average returns reaches --target (the first few episodes to end are the short, successful ones:
    a single logged value can reach it by luck), and the whole run's wall time.
 2. **Scaling**: Anakin's steady SPS with 64 ... 4096 envs per device (--num-steps 32, --envs-updates updates each),
-   on one host device and on two (`--learner-device-ids 0 1`, the envs per device kept: twice the envs).
+   on one host device and on two (`--learner-device-ids 0 1`, the envs per device kept: twice the envs), on
+   MiniGrid-Empty-5x5 or, with --scaling-env-id, on another family's env (the same PPO and MLP), e.g.
+   `--parts scaling --scaling-env-id minatar-breakout --envs-per-device 1024 --devices 1`.
 
 One run at a time, so the numbers are a quiet machine's. On a CPU the ratios are the claim, not the absolute SPS
 (the two host devices share the same cores). Every run appends a JSON line to --results; the tables are printed
@@ -61,6 +63,9 @@ class Args:
     """updates of each scaling run"""
     devices: list[int] = field(default_factory=lambda: [1, 2])
     """numbers of host devices of the scaling runs"""
+    scaling_env_id: str = TASK
+    """the Anakin script's --env-id of the scaling runs (any of its families: MiniGrid-Empty-5x5,
+    minatar-breakout, ...; the figure draws MiniGrid's)"""
     results: str = "benchmark/results/anakin_vs_sebulba.jsonl"
     readme: str = "README.md"
     side_total_timesteps: int = 122_880
@@ -132,8 +137,8 @@ def side_by_side_table(records: list[dict], target: float):
     print(f"Anakin / Sebulba steady SPS: {median_sps['Anakin'] / median_sps['Sebulba']:.2f}x")
 
 
-def scaling_table(records: list[dict]):
-    print(f"\nAnakin's steady SPS on {TASK} ({SCALING_FLAGS}), {platform.machine()}, one run at a time")
+def scaling_table(records: list[dict], env_id: str):
+    print(f"\nAnakin's steady SPS on {env_id} ({SCALING_FLAGS}), {platform.machine()}, one run at a time")
     devices = sorted({r["devices"] for r in records})
     print("| envs per device | " + " | ".join(f"{d} host device{'s' * (d > 1)}" for d in devices) + " |")
     print("|---" * (len(devices) + 1) + "|")
@@ -202,24 +207,25 @@ def main(args: Args):
                 flags = [*shlex.split(SCALING_FLAGS), "--local-num-envs", str(envs), "--checkpoint-frequency", "0"]
                 flags += ["--total-timesteps", str(envs * devices * 32 * args.envs_updates), "--log-frequency", "5"]
                 flags += ["--learner-device-ids", *map(str, range(devices))]
-                argv = [sys.executable, str(Path(ANAKIN).resolve()), "--env-id", TASK, *flags]
-                result = run(argv, workdir, f"scaling-{envs}-{devices}")
-                records.append({"part": "scaling", "envs_per_device": envs, "devices": devices, **result})
+                argv = [sys.executable, str(Path(ANAKIN).resolve()), "--env-id", args.scaling_env_id, *flags]
+                result = run(argv, workdir, f"scaling-{args.scaling_env_id}-{envs}-{devices}")
+                point = {"envs_per_device": envs, "devices": devices, "env_id": args.scaling_env_id}
+                records.append({"part": "scaling", **point, **result})
     with open(args.results, "a") as results:
         for record in records:
             results.write(json.dumps(record) + "\n")
     records = [json.loads(line) for line in Path(args.results).read_text().splitlines()]
     # the newest run of each seed and of each scaling point counts
-    newest = {
-        (r["part"], r.get("architecture"), r.get("seed"), r.get("envs_per_device"), r.get("devices")): r
-        for r in records
-    }
+    key = lambda r: (r["part"], r.get("architecture"), r.get("seed"), r.get("envs_per_device"), r.get("devices"))
+    newest = {(*key(r), r.get("env_id", TASK)): r for r in records}  # the scaling runs before --scaling-env-id: TASK
     side = [r for r in newest.values() if r["part"] == "side" and r["seed"] in args.seeds]
-    scaling = [r for r in newest.values() if r["part"] == "scaling"]
+    scaling = [r for r in newest.values() if r["part"] == "scaling" and r.get("env_id", TASK) == TASK]
     if not side or not scaling:
         fail(f"--results: {args.results} holds no side-by-side or no scaling runs")
     side_by_side_table(side, args.target)
-    scaling_table(scaling)
+    scaling_table(scaling, TASK)
+    if args.scaling_env_id != TASK:
+        scaling_table([r for r in newest.values() if r.get("env_id") == args.scaling_env_id], args.scaling_env_id)
     draw(side, scaling, args.target)
 
 
