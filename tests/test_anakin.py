@@ -395,8 +395,9 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
 @pytest.mark.parametrize("env_id", FAMILIES)
 def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, env_id):
     """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see;
-    their checkpoint resumes in one process on two learner devices (the layout change docs/reliability.md promises:
-    the learner key, replicated over two processes when saved, restores onto the one process's devices)."""
+    for MiniGrid, their checkpoint resumes in one process on two learner devices (the layout change
+    docs/reliability.md promises: the learner key, replicated over two processes when saved, restores onto the one
+    process's devices; the checkpoints' code is the same for every family, the two processes are each family's)."""
     flags = [
         *TINY,
         "--env-id",
@@ -420,6 +421,8 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, e
     assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10", "5"]
     digests = [final_digests(out) for _, out, _ in results]
     assert digests[0] == digests[1], "the processes' states differ"
+    if env_id != FAMILIES[0]:
+        return
     saved = DIGESTS.search(re.search(r"checkpoint saved: update=5 .*", results[0][1]).group(0)).groups()
     # checkpoint 5, resumed by one process on two devices: restored bit for bit, and the same 16 envs stepped on to
     # the same env states, bit for bit
