@@ -12,7 +12,7 @@
 2. **Scaling**: Anakin's steady SPS with 64 ... 4096 envs per device (--num-steps 32, --envs-updates updates each),
    on one host device and on two (`--learner-device-ids 0 1`, the envs per device kept: twice the envs), on
    MiniGrid-Empty-5x5 or, with --scaling-env-id, on another family's env (the same PPO and MLP), e.g.
-   `--parts scaling --scaling-env-id minatar-breakout --envs-per-device 1024 --devices 1`.
+   `--parts scaling --scaling-env-id Craftax-Classic-Symbolic-v1 --envs-per-device 1024 --devices 1`.
 
 One run at a time, so the numbers are a quiet machine's. On a CPU the ratios are the claim, not the absolute SPS
 (the two host devices share the same cores). Every run appends a JSON line to --results; the tables are printed
@@ -64,8 +64,8 @@ class Args:
     devices: list[int] = field(default_factory=lambda: [1, 2])
     """numbers of host devices of the scaling runs"""
     scaling_env_id: str = TASK
-    """the Anakin script's --env-id of the scaling runs (any of its families: MiniGrid-Empty-5x5,
-    minatar-breakout, ...; the figure draws MiniGrid's)"""
+    """the Anakin script's --env-id of the scaling runs (any family: MiniGrid-Empty-5x5, minatar-breakout,
+    Craftax-Classic-Symbolic-v1, ...; the figure draws MiniGrid's)"""
     results: str = "benchmark/results/anakin_vs_sebulba.jsonl"
     readme: str = "README.md"
     side_total_timesteps: int = 122_880

@@ -1,5 +1,6 @@
 """Anakin PPO (Hessel et al. 2021, "Podracer architectures", Sec. 3) for JAX-native envs: XLand-MiniGrid's MiniGrid
-tasks and pgx's MinAtar games, each behind a small adapter (cleanrl_utils/jax_envs.py), so `--env-id` picks the env.
+tasks, pgx's MinAtar games and Craftax-Classic, each behind a small adapter (cleanrl_utils/jax_envs.py), so
+`--env-id` picks the env.
 
 One file, read top to bottom: `Args`, the env factory, the networks, the pure math (advantage estimation, losses: the
 same functions as the Sebulba PPO script's), the rollout, the learner update, the evaluation policy, and `main`: the
@@ -45,8 +46,9 @@ from cleanrl_utils.saved_model import check_save_model_flags
 class Args(AnakinArgs):  # the run's and Anakin's flags (cleanrl_utils/flags.py), then PPO's
     env_id: str = "MiniGrid-Empty-5x5"
     """an xminigrid MiniGrid task (MiniGrid-Empty-5x5, MiniGrid-DoorKey-8x8, ...: its egocentric 7x7 view, flattened,
-    goes into MLPs) or a pgx MinAtar game (minatar-breakout, minatar-asterix, minatar-freeway, minatar-seaquest,
-    minatar-space_invaders: its 10x10 image into a small CNN, then the MLPs)"""
+    goes into MLPs), a pgx MinAtar game (minatar-breakout, minatar-asterix, minatar-freeway, minatar-seaquest,
+    minatar-space_invaders: its 10x10 image into a small CNN, then the MLPs) or Craftax-Classic-Symbolic-v1 (its
+    1,345 symbolic features into the MLPs)"""
     total_timesteps: int = 50_000_000
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     learning_rate: float = 2.5e-4

@@ -12,6 +12,9 @@ Families:
 - pgx's MinAtar games (`minatar-breakout`, `minatar-asterix`, `minatar-freeway`, `minatar-seaquest`,
   `minatar-space_invaders`; Young & Tian 2019, as pgx implements them: sticky actions with probability 0.1, the
   minimal action set): 10x10 images of binary channels;
+- Craftax-Classic (`Craftax-Classic-Symbolic-v1`; Matthews et al. 2024, after Hafner's Crafter): the symbolic
+  observation (the 9x7 local map's one-hot blocks and mobs, inventory, intrinsics: 1,345 numbers), 17 actions; an
+  episode ends by death (a termination) or at Craftax's 10,000-step limit (a truncation);
 - MuJoCo Playground's DeepMind Control Suite (`CartpoleBalance`, `CheetahRun`, ...; Zakka et al. 2025), continuous
   actions in [-1, 1], on MJX's JAX implementation (`impl="jax"`: Playground's default, Warp, is a GPU engine), with
   the Control Suite's time limit of 1,000 steps as a truncation (as envpool's `CartpoleBalance-v1`, ...).
@@ -30,6 +33,8 @@ import numpy as np
 from cleanrl_utils.errors import UsageError
 
 MINATAR_GAMES = ["asterix", "breakout", "freeway", "seaquest", "space_invaders"]
+# Craftax-Classic's symbolic observation (its pixel one needs a CNN; the full Craftax is a larger game: not offered)
+CRAFTAX_IDS = ["Craftax-Classic-Symbolic-v1"]
 
 
 class XMiniGridEnv:
@@ -128,6 +133,74 @@ class MinAtarEnv:
         return np.kron(frame, np.ones((8, 8, 1), np.uint8))
 
 
+class CraftaxState(NamedTuple):
+    env: Any  # Craftax's EnvState (its timestep counts the episode's steps)
+    obs: jax.Array  # Craftax returns the observation beside its state: kept here
+    reward: jax.Array
+    done: jax.Array  # the episode ended at this step (death or the time limit)
+    key: jax.Array  # the env's own key: its steps and resets draw from it
+
+
+class CraftaxEnv:
+    """Craftax-Classic without Craftax's own auto-reset (which resets within the ending step and hides the last
+    observation): envpool's, the step after the end resets. The time limit is told apart from the game's end."""
+
+    observation_kind = "symbolic"  # one-hot map and inventory numbers: an MLP
+    action_dtype = jnp.int32
+
+    def __init__(self, env_id: str):
+        from craftax.craftax_env import make_craftax_env_from_name
+
+        self.env = make_craftax_env_from_name(env_id, auto_reset=False)
+        self.env_params = self.env.default_params
+        self.num_actions = int(self.env.action_space(self.env_params).n)
+        self.observation_shape = tuple(self.env.observation_space(self.env_params).shape)
+        self._render = None  # Craftax's pixel renderer, made on the first frame (videos only)
+
+    def reset(self, key: jax.Array) -> CraftaxState:
+        reset_key, key = jax.random.split(key)
+        obs, env = self.env.reset_env(reset_key, self.env_params)
+        # Craftax's reset leaves half its fields weakly typed, its step does not: without this the update, given
+        # the reset envs and then its own, would compile twice
+        env = jax.tree.map(lambda leaf: jax.lax.convert_element_type(leaf, jnp.asarray(leaf).dtype), env)
+        return CraftaxState(env, obs, jnp.float32(0), jnp.bool_(False), key)
+
+    def sample_action(self, key: jax.Array) -> jax.Array:
+        return jax.random.randint(key, (), 0, self.num_actions)
+
+    def step(self, state: CraftaxState, action: jax.Array) -> CraftaxState:
+        key, reset_key, step_key = jax.random.split(state.key, 3)
+
+        def step():
+            obs, env, reward, done, _ = self.env.step_env(step_key, state.env, action, self.env_params)
+            return CraftaxState(env, obs, reward.astype(jnp.float32), done, key)
+
+        # under vmap both branches run, as a select per env
+        return jax.lax.cond(state.done, lambda: self.reset(reset_key)._replace(key=key), step)
+
+    def observation(self, state: CraftaxState) -> jax.Array:
+        return state.obs
+
+    def reward(self, state: CraftaxState) -> jax.Array:
+        return state.reward
+
+    def terminated(self, state: CraftaxState) -> jax.Array:
+        return state.done & ~self.truncated(state)
+
+    def truncated(self, state: CraftaxState) -> jax.Array:
+        # the limit reached with the player alive (Craftax's own `done` does not say which)
+        return state.done & (state.env.timestep >= self.env_params.max_timesteps) & (state.env.player_health > 0)
+
+    def render(self, state: CraftaxState) -> np.ndarray:
+        """Craftax's own pixels of the player's view and inventory (16 pixels a block)."""
+        if self._render is None:
+            from craftax.craftax_classic.constants import BLOCK_PIXEL_SIZE_IMG
+            from craftax.craftax_classic.renderer import make_craftax_pixel_renderer
+
+            self._render = jax.jit(make_craftax_pixel_renderer(BLOCK_PIXEL_SIZE_IMG))
+        return np.clip(np.asarray(self._render(state.env)), 0, 255).astype(np.uint8)
+
+
 def _channel_colors(num_channels: int) -> np.ndarray:
     hues = np.linspace(0, 1, num_channels, endpoint=False)
     return np.stack([255 * (0.5 + 0.5 * np.cos(2 * np.pi * (hues + shift))) for shift in (0, 1 / 3, 2 / 3)], -1)
@@ -221,7 +294,7 @@ def env_ids(*, discrete: bool) -> list[str]:
     import xminigrid
 
     minigrid = [name for name in xminigrid.registered_environments() if name.startswith("MiniGrid-")]
-    return minigrid + [f"minatar-{game}" for game in MINATAR_GAMES]
+    return minigrid + [f"minatar-{game}" for game in MINATAR_GAMES] + CRAFTAX_IDS
 
 
 def check_env_id(env_id: str, *, discrete: bool):
@@ -239,15 +312,19 @@ def check_env_id(env_id: str, *, discrete: bool):
         hint = " (XLand-MiniGrid's meta-RL envs need a ruleset benchmark downloaded by xminigrid: not supported)"
     elif env_id.lower().startswith("minatar") or env_id.lower().startswith("minatar-"):
         hint = " (pgx's MinAtar ids are lowercase: minatar-breakout, ...)"
+    elif env_id.startswith("Craftax"):
+        hint = " (Craftax-Classic's symbolic observation only: its pixels need a CNN, the full Craftax is not offered)"
     elif env_id in env_ids(discrete=not discrete):
         hint = f" ({env_id} has {'continuous' if discrete else 'discrete'} actions: the other Anakin PPO script's)"
     raise UsageError(f"--env-id must be one of {', '.join(ids)}, got {env_id!r}{hint}")
 
 
-def make_jax_env(env_id: str) -> XMiniGridEnv | MinAtarEnv | PlaygroundEnv:
+def make_jax_env(env_id: str) -> XMiniGridEnv | MinAtarEnv | CraftaxEnv | PlaygroundEnv:
     """The adapter for --env-id, of either action kind (checked first: one line if it is not one of ours)."""
-    if env_id.startswith("MiniGrid-") or env_id.startswith("minatar-"):
+    if env_id.startswith(("MiniGrid-", "minatar-", "Craftax-")):
         check_env_id(env_id, discrete=True)
+        if env_id.startswith("Craftax-"):
+            return CraftaxEnv(env_id)
         return MinAtarEnv(env_id) if env_id.startswith("minatar-") else XMiniGridEnv(env_id)
     check_env_id(env_id, discrete=False)
     return PlaygroundEnv(env_id)

@@ -37,15 +37,20 @@ anakin_continuous = load_script(CONTINUOUS_ANAKIN_SCRIPT)
 
 # tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
 TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
-FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "CartpoleBalance"]  # an env of each library jax_envs adapts
-# MJX's physics takes tens of seconds to compile on a CPU: CartpoleBalance's in-process tests are in the slow tier
-IN_PROCESS_FAMILIES = [*FAMILIES[:2], pytest.param("CartpoleBalance", marks=pytest.mark.slow)]
+# an env of each library jax_envs adapts
+FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "Craftax-Classic-Symbolic-v1", "CartpoleBalance"]
 DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
     "--env-id MiniGrid-Empty-5x5 --local-num-envs 32 --num-steps 32 --num-minibatches 4 --update-epochs 4 "
     "--learning-rate 1e-3 --hiddens 64 64 --total-timesteps 61440"
 ).split()
+
+
+def in_process(env_ids: list[str]) -> list:
+    """MJX's physics and Craftax's world generation take tens of seconds to compile on a CPU: their in-process tests
+    are in the slow tier."""
+    return [pytest.param(env_id, marks=pytest.mark.slow) if env_id in FAMILIES[2:] else env_id for env_id in env_ids]
 
 
 def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
@@ -102,6 +107,48 @@ def test_minatar_adapter_steps_as_pgx_and_resets_the_step_after_an_episode_end()
     assert envs.step(np.zeros(2, int))[0].shape == (2, 10, 10, 4)
     frame = envs.render()
     assert frame.shape == (1, 80, 80, 3) and frame.dtype == np.uint8 and frame.any()
+
+
+@pytest.mark.slow
+def test_craftax_adapter_steps_as_craftax_tells_the_time_limit_from_death_and_resets_the_step_after():
+    """Craftax-Classic behind the adapter, against Craftax's own `reset_env` and `step_env` in a plain loop: the same
+    observations and rewards while the episode runs; an episode that reaches the 10,000-step limit alive is a
+    truncation, one that ends by death a termination (Craftax's `done` says neither); the step after an end resets
+    the env with that step's reset key, ignoring its action, and pays nothing."""
+    from craftax.craftax_env import make_craftax_env_from_name
+
+    env_id = "Craftax-Classic-Symbolic-v1"
+    env, craftax = anakin.make_jax_env(env_id), make_craftax_env_from_name(env_id, auto_reset=False)
+    assert env.num_actions == 17 and env.observation_shape == (1345,) and env.observation_kind == "symbolic"
+    params = env.env_params
+    # the same numbers, but the light level (a cosine) may round differently in another compiled program
+    same_obs = partial(np.testing.assert_allclose, rtol=1e-6, atol=0)
+    step, craftax_step, craftax_reset = jax.jit(env.step), jax.jit(craftax.step_env), jax.jit(craftax.reset_env)
+    reset_key, key = jax.random.split(jax.random.key(0))  # the adapter's state carries the env's own key
+    state, (obs, expected) = jax.jit(env.reset)(jax.random.key(0)), craftax_reset(reset_key, params)
+    same_obs(state.obs, obs)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        action = np.int32(rng.integers(17))
+        state = step(state, action)
+        key, reset_key, step_key = jax.random.split(key, 3)
+        obs, expected, reward, done, _ = craftax_step(step_key, expected, action, params)
+        same_obs(state.obs, obs)
+        assert float(env.reward(state)) == float(reward) and not done and not bool(state.done)
+
+    def ended(state, **fields):
+        """One step from `state` with `fields` of Craftax's state set, and the step after it."""
+        end = step(state._replace(env=state.env.replace(**fields)), np.int32(0))
+        after = step(end, np.int32(5))
+        _, reset_key, _ = jax.random.split(end.key, 3)
+        same_obs(after.obs, craftax_reset(jax.random.split(reset_key)[0], params)[0])
+        assert float(env.reward(after)) == 0 and not bool(after.done) and int(after.env.timestep) == 0
+        return bool(env.terminated(end)), bool(env.truncated(end))
+
+    assert ended(state, timestep=np.int32(params.max_timesteps - 1)) == (False, True)  # the limit, alive
+    assert ended(state, player_health=np.int32(0)) == (True, False)  # death
+    frame = env.render(state)  # a video's frame (the evaluator's envs render env 0's state): Craftax's own pixels
+    assert frame.ndim == 3 and frame.shape[-1] == 3 and frame.dtype == np.uint8 and frame.std() > 0
 
 
 @pytest.mark.slow
@@ -171,7 +218,7 @@ def test_minatar_torso_pools_as_haikus_avg_pool_with_pgxs_window():
 
 def script_of(env_id: str):
     """The Anakin script for the env's action kind, and its path."""
-    if env_id.startswith("MiniGrid-") or env_id.startswith("minatar-"):
+    if env_id.startswith(("MiniGrid-", "minatar-", "Craftax-")):
         return anakin, ANAKIN_SCRIPT
     return anakin_continuous, CONTINUOUS_ANAKIN_SCRIPT
 
@@ -196,13 +243,17 @@ def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2
     envs = script.reset_envs(env, envs_key, total_envs, NamedSharding(mesh, P("batch")))
     update = script.make_learner_update(args, agent, env, mesh)
     state = script.LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
+    initial_types = jax.tree.leaves(jax.tree.map(jax.typeof, state))
     for _ in range(updates):
         state, metrics = update(state)
+    # the update returns the types it takes, so it compiles once (a reset leaving fields weakly typed where the step
+    # does not would compile it twice in every run)
+    assert jax.tree.leaves(jax.tree.map(jax.typeof, state)) == initial_types
     assert np.isfinite(float(metrics["losses/loss"])) and "charts/learning_rate" in metrics
     return jax.device_get(state.agent.params), jax.device_get(state.envs), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("env_id", IN_PROCESS_FAMILIES)
+@pytest.mark.parametrize("env_id", in_process(FAMILIES))
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are the same
     on one and on two devices (bitwise with discrete actions; continuous actions carry the params' float sums into
@@ -224,7 +275,8 @@ def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id)
     assert not np.allclose(jax.tree.leaves(one_params)[0], jax.tree.leaves(initial[1].params)[0])  # it did update
 
 
-@pytest.mark.parametrize("env_id", IN_PROCESS_FAMILIES)
+# Craftax's episodes outlast 150 steps of random play: its ends and resets are the adapter test's
+@pytest.mark.parametrize("env_id", in_process([env_id for env_id in FAMILIES if not env_id.startswith("Craftax-")]))
 def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_plain_loop(env_id):
     """Against a plain loop over the rollout's own arrays: `valid` is False exactly after an episode end (the reset
     step), terminations and truncations are the env's, and the returned episode statistics sum the rewards and count
@@ -281,6 +333,7 @@ def test_the_rollout_keeps_envpools_bookkeeping_and_the_episode_statistics_of_a_
         (["--env-id", "MinAtar-Breakout"], "(pgx's MinAtar ids are lowercase: minatar-breakout, ...)"),
         (["--env-id", "Breakout-v5"], "--env-id must be one of MiniGrid-"),
         (["--env-id", "CartpoleBalance"], "(CartpoleBalance has continuous actions: the other Anakin PPO script's)"),
+        (["--env-id", "Craftax-Symbolic-v1"], "(Craftax-Classic's symbolic observation only: its pixels need a CNN"),
         (["--num-minibatches", "3"], "--num-minibatches (3) must divide the samples per learner device (--num-steps"),
         (["--learning-rate", "-1"], "--learning-rate must be positive and finite, got -1.0"),
         (["--gae-lambda", "2"], "--gae-lambda must be in [0, 1], got 2.0"),
