@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sebulba on one GPU: Atari throughput against the environment ceiling, and a learning curve.
+# On one GPU: Sebulba's Atari throughput against the environment ceiling and a learning curve; Anakin on MinAtar.
 #
 #   (a) ceiling     envpool Breakout-v5 alone with random actions on all cores (benchmark/env_ceiling.py): 2 pools x
 #                   64 envs (Cleanba's 2 actor threads) and 1 pool x 128 envs
@@ -8,19 +8,33 @@
 #                   and the script's steady SPS (benchmark/throughput.py), peak GPU memory
 #   (c) curve       PPO Breakout-v5 with the defaults for CURVE_SECONDS (600) of wall time, stopped with SIGTERM (the
 #                   script checkpoints and exits 143), then static/gpu_breakout_ppo.png against a random policy
+#   (d) minatar     the Anakin PPO with pgx's MinAtar PPO example's settings on its five games at 20M steps, seeds
+#                   MINATAR_SEEDS (1 2 3), MINATAR_JOBS (5) runs at a time sharing the GPU (benchmark/learning_runs.py;
+#                   the saved model evaluated over 100 episodes), table and figure beside pgx's published returns
+#   (e) jax-ceiling the env step alone of each MinAtar game at CEILING_ENVS (4,096 65,536) envs and the MinAtar network's gradient
+#                   (benchmark/jax_env_ceiling.py), then the Anakin PPO alone on Breakout at pgx's settings for
+#                   ANAKIN_UPDATES (8) updates: its steady SPS, as a fraction of the env step's at 4,096 envs
 #
 # usage (repository root, on a machine with an NVIDIA GPU):
-#   bash benchmark/gpu.sh [results folder] [sections...]     default: benchmark/results, all of: ceiling throughput curve
+#   bash benchmark/gpu.sh [results folder] [sections...]
+#   default: benchmark/results, all of: ceiling throughput curve minatar jax-ceiling
 # PY picks the interpreter (default: uv with the CUDA extra). Results: gpu_env_ceiling.jsonl, gpu_throughput.jsonl
-# (one JSON line per config, markdown table printed), gpu_curve.txt; the runs stay in runs/.
+# (one JSON line per config, markdown table printed), gpu_curve.txt, gpu_minatar_ppo.jsonl and .png,
+# gpu_jax_env_ceiling.jsonl, gpu_anakin_minatar_sps.txt; the runs stay in runs/.
 set -uo pipefail
 out=${1:-benchmark/results}
 shift || true
-sections=${*:-ceiling throughput curve}
+sections=${*:-ceiling throughput curve minatar jax-ceiling}
 PY=${PY:-uv run --extra cuda12 python}
 CURVE_SECONDS=${CURVE_SECONDS:-600}
+MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaquest minatar-space_invaders}
+# pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
+PGX_PPO="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \
+  --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the harness and the run it starts share the GPU; memory as used
+# the runs of one game share their compiled update: seed 2 reuses seed 1's
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/cleanba-jax-cache}
 status=0
 step() { echo "== $*"; "$@" || { echo "!! failed ($?): $*"; status=1; }; }
 GPU0="--actor-device-ids 0 --learner-device-ids 0"
@@ -53,7 +67,25 @@ for section in $sections; do
       --title "Breakout-v5, PPO on 1 GPU (${CURVE_SECONDS} s)" --output static/gpu_breakout_ppo.png
     cp static/gpu_breakout_ppo.png "$out/" 2>/dev/null || true
     ;;
-  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve)" >&2; exit 2 ;;
+  minatar)
+    # shellcheck disable=SC2086
+    step $PY benchmark/learning_runs.py --python "$PY" --jobs "${MINATAR_JOBS:-5}" --script ppo_anakin \
+      --env-ids $MINATAR --seeds ${MINATAR_SEEDS:-1 2 3} --total-timesteps "${MINATAR_TIMESTEPS:-20000000}" \
+      --final-window 1 --flags="$PGX_PPO --log-frequency 1 --checkpoint-frequency 0 --save-model --eval-episodes 100" \
+      --results "$out/gpu_minatar_ppo.jsonl" --output "$out/gpu_minatar_ppo.png"
+    ;;
+  jax-ceiling)
+    # shellcheck disable=SC2086
+    step $PY benchmark/jax_env_ceiling.py --env-ids $MINATAR --num-envs ${CEILING_ENVS:-4096 65536} --results "$out/gpu_jax_env_ceiling.jsonl"
+    updates=${ANAKIN_UPDATES:-8}
+    echo "== Anakin PPO alone, minatar-breakout, pgx's settings, $updates updates"
+    # shellcheck disable=SC2086
+    $PY cleanba/cleanba_ppo_anakin.py --env-id minatar-breakout $PGX_PPO --total-timesteps $((updates * 524288)) \
+      --exp-name gpu_anakin_sps --log-frequency 1 --checkpoint-frequency 0 2>&1 | tee "$out/gpu_anakin_minatar_sps.txt" \
+      | grep -E "^update=|error"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! Anakin SPS run failed"; status=1; }
+    ;;
+  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -11,8 +11,8 @@ the MinAtar network's gradient costs inside the update's `lax.scan`.
    the same torso written as `nn.Conv`, each as one jitted call and inside a `lax.scan` of 4 steps (as the
    update's minibatches run): milliseconds per minibatch.
 
-One measurement at a time; each appends a JSON line (with the processor and the date) to --results and the tables
-are printed. On a CPU other processes' load changes every number: run it on a quiet machine.
+One measurement at a time; each appends a JSON line (with the processor, the GPU if any, and the date) to --results
+and the tables are printed. On a CPU other processes' load changes every number: run it on a quiet machine.
 """
 
 import datetime
@@ -31,7 +31,7 @@ import tyro
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from plot import fail  # noqa: E402
-from readme_commands import processor  # noqa: E402
+from readme_commands import machine  # noqa: E402
 
 from cleanrl_utils.evals.evaluate import load_script  # noqa: E402
 from cleanrl_utils.jax_envs import make_jax_env  # noqa: E402
@@ -106,7 +106,7 @@ def torso_gradient_ms(torso: str, minibatch_size: int, scanned: bool) -> float:
 
 
 def record(results: Path, **fields):
-    line = {**fields, "processor": processor(), "date": datetime.date.today().isoformat()}
+    line = {**fields, **machine(), "date": datetime.date.today().isoformat()}
     print(json.dumps(line), flush=True)
     with results.open("a") as file:
         file.write(json.dumps(line) + "\n")

@@ -17,6 +17,8 @@ MinAtar PPO example).
         --checkpoint-frequency 0 --save-model --eval-episodes 100" \\
         --results benchmark/results/minatar_ppo.jsonl --output static/minatar_ppo.png
     uv run python benchmark/learning_runs.py ... --table-only        # the table and figure from --results
+    # the same MinAtar runs on one GPU, five at a time, where python3 has JAX with CUDA (no uv)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmark/learning_runs.py --python python3 --jobs 5 ...
 
 A variant of the on-policy script is its `--policy-loss`; of the MuJoCo PPO script, `default` (no flag) or any flags
 given as `NAME=FLAGS`. Each run is `--env-id E --seed S --exp-name bench_{script}_{variant}` plus --flags (default: one
@@ -24,17 +26,21 @@ actor thread of 8 envs, the same 2048-step batch as the defaults' 2 threads x 4 
 a0-l1; every update logged). A run's final return is the mean of its last --final-window logged
 `charts/avg_episodic_return` (10 with every update logged: the last 20,480 env steps of a MuJoCo run; MinAtar's 1: each
 env's last finished episode at the end, some of them begun updates before); with --save-model in --flags, the saved
-model's evaluation (sampled actions, as pgx's example evaluates) is recorded too, as `eval_return`. Each run appends a
-JSON line (with the processor and the date) to --results; the Markdown table (mean ± std over seeds per variant and env,
-beside the published mean, marking a mean more than two of the published standard deviations below it) is printed and
-the figure (mean over seeds, min-max band, the published mean as a line) is written to --output.
+model's evaluation (sampled actions, as pgx's example evaluates) is recorded too, as `eval_return`. The runs start
+seed by seed (every env's seed 1 first, so a batch stopped early has whole seeds), --jobs at a time; each appends a
+JSON line (with the processor, the GPU if any, and the date) to --results as it ends; the Markdown table (mean ± std
+over seeds per variant and env, beside the published mean, marking a mean more than two of the published standard
+deviations below it) is printed and the figure (mean over seeds, min-max band, the published mean as a line) is
+written to --output.
 """
 
 import datetime
 import json
+import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +49,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plot import fail, find_runs, mean_and_spread, plt, read_run, save  # noqa: E402
-from readme_commands import processor  # noqa: E402
+from readme_commands import machine  # noqa: E402
 
 SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
@@ -94,6 +100,10 @@ class Args:
     final_window: int = 10
     """the number of last logged returns whose mean is a run's final return"""
     table_only: bool = False
+    python: str = "uv run python"
+    """the command that runs the script (e.g. `python3` where JAX with CUDA is installed and uv is not)"""
+    jobs: int = 1
+    """runs at a time: one on a CPU (two runs share its cores); several can share one GPU"""
 
 
 def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
@@ -112,7 +122,9 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     name, flags = variant_flags(args.script, variant)
     exp_name = f"bench_{args.script}_{name}"
     command = [
-        *("uv", "run", "python", SCRIPTS[args.script], "--env-id", env_id, "--seed", str(seed), *flags),
+        *shlex.split(args.python),
+        SCRIPTS[args.script],
+        *("--env-id", env_id, "--seed", str(seed), *flags),
         *("--exp-name", exp_name, "--total-timesteps", str(args.total_timesteps), *args.flags.split()),
     ]
     started = time.time()
@@ -137,34 +149,48 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
         **evaluation,
         "wall_s": round(wall, 1),
         "run_dir": str(run_dir),
-        "processor": processor(),
+        **machine(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+def machines(records: list[dict]) -> str:
+    """Where the records ran: the accelerator where one was used, else the processor, with the dates."""
+    where = sorted({(r.get("accelerator") or r.get("processor", "?"), r.get("date", "?")) for r in records})
+    return "; ".join(f"{machine} ({date})" for machine, date in where)
 
 
 def table(records: list[dict], env_ids: list[str], variants: list[str], script: str) -> str:
     published_name, published = PUBLISHED[script]
     lines = [
-        "| variant | " + " | ".join(f"{env_id} (final, mean ± std over seeds)" for env_id in env_ids) + " |",
+        "| variant | " + " | ".join(f"{env_id} (mean ± std over seeds)" for env_id in env_ids) + " |",
         "|---|" + "---|" * len(env_ids),
     ]
+    # the saved model's evaluation (--save-model in --flags) has a row of its own: pgx's example reports that measure
+    measures = [("final_return", "")]
+    if any("eval_return" in r for r in records):
+        measures.append(("eval_return", ": saved model"))
     for variant in variants:
-        cells = []
-        for env_id in env_ids:
-            finals = [r["final_return"] for r in records if r["env_id"] == env_id and r["variant"] == variant]
-            if not finals:
-                cells.append("-")
-                continue
-            cell = f"{np.mean(finals):,.1f} ± {np.std(finals):,.1f} (n={len(finals)})"
-            mean, std = published.get(env_id, (None, None))
-            if std is not None and np.mean(finals) < mean - 2 * std:
-                cell += " **below**"  # more than two of the published standard deviations under its mean
-            cells.append(cell)
-        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+        for measure, suffix in measures:
+            cells = []
+            for env_id in env_ids:
+                values = [
+                    r[measure]
+                    for r in records
+                    if r["env_id"] == env_id and r.get(measure) is not None and r["variant"] == variant
+                ]
+                if not values:
+                    cells.append("-")
+                    continue
+                cell = f"{np.mean(values):,.1f} ± {np.std(values):,.1f} (n={len(values)}, worst {min(values):,.1f})"
+                mean, std = published.get(env_id, (None, None))
+                if std is not None and np.mean(values) < mean - 2 * std:
+                    cell += " **below**"  # more than two of the published standard deviations under its mean
+                cells.append(cell)
+            lines.append(f"| {variant}{suffix} | " + " | ".join(cells) + " |")
     cells = [published_cell(*published[env_id]) if env_id in published else "-" for env_id in env_ids]
     lines.append(f"| {published_name} | " + " | ".join(cells) + " |")
-    where = sorted({(r.get("processor", "?"), r.get("date", "?")) for r in records})
-    lines.append("\nRun on " + "; ".join(f"{cpu} ({date})" for cpu, date in where) + ", one run at a time.")
+    lines.append(f"\nRun on {machines(records)}.")
     return "\n".join(lines)
 
 
@@ -186,6 +212,23 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
             grid, mean, low, high = mean_and_spread([s[0] for s in series], [s[2] for s in series])
             (line,) = ax.plot(grid, mean, label=f"{variant} ({len(runs)} seeds)")
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
+            evaluations = [
+                r["eval_return"]
+                for r in records
+                if r["env_id"] == env_id and r["variant"] == variant and r.get("eval_return") is not None
+            ]
+            if evaluations:  # the saved models' evaluation at the end: mean over seeds, bar from min to max
+                mean = np.mean(evaluations)
+                spread = [[mean - min(evaluations)], [max(evaluations) - mean]]
+                ax.errorbar(
+                    grid[-1],
+                    mean,
+                    yerr=spread,
+                    fmt="o",
+                    color=line.get_color(),
+                    capsize=4,
+                    label=f"{variant}: saved model, {len(evaluations)} seeds",
+                )
         if env_id in published:
             mean = published[env_id][0]
             ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"{published_name}: {mean:g}")
@@ -195,7 +238,7 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
         ax.set_visible(False)
     title = {"ppo_continuous_action": "MuJoCo PPO", "onpolicy": "Policy losses of the configurable on-policy agent"}
     title = title.get(script, "Anakin PPO on pgx's MinAtar")
-    fig.suptitle(f"{title}\n(2-core CPU; mean over seeds, band: min-max)")
+    fig.suptitle(f"{title}\n({machines(records)}; mean over seeds, band: min-max)")
     fig.tight_layout()
     save(fig, output)
 
@@ -205,15 +248,20 @@ def main(args: Args):
         fail(f"--script must be one of {list(SCRIPTS)}, got {args.script!r}")
     names = [variant_flags(args.script, variant)[0] for variant in args.variants]
     results = Path(args.results)
+    if args.jobs < 1:
+        fail(f"--jobs must be positive, got {args.jobs}")
     if not args.table_only:
         results.parent.mkdir(parents=True, exist_ok=True)
-        for env_id in args.env_ids:
-            for variant in args.variants:
-                for seed in args.seeds:
-                    record = run_one(args, env_id, variant, seed)
-                    print(json.dumps(record), flush=True)
-                    with results.open("a") as file:
-                        file.write(json.dumps(record) + "\n")
+        runs = [(env_id, variant, seed) for seed in args.seeds for env_id in args.env_ids for variant in args.variants]
+
+        def run_and_record(run):
+            record = run_one(args, *run)
+            print(json.dumps(record), flush=True)
+            with results.open("a") as file:  # one write of a whole line: lines of parallel runs do not mix
+                file.write(json.dumps(record) + "\n")
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            list(pool.map(run_and_record, runs))
     records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     # the newest record of each (env, variant, seed) of this script
     records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}

@@ -118,6 +118,20 @@ def processor() -> str:
     return platform.processor() or platform.machine()
 
 
+def accelerator() -> str | None:
+    """The GPU's name (nvidia-smi), or None on a machine without one."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True)
+    except OSError:
+        return None
+    return names.stdout.decode().strip().splitlines()[0] if names.returncode == 0 and names.stdout.strip() else None
+
+
+def machine() -> dict:
+    """What a record says of where it ran: the processor, and the GPU where there is one."""
+    return {"processor": processor(), **({"accelerator": gpu} if (gpu := accelerator()) else {})}
+
+
 def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int]:
     """(best, final, first step of the best window): means of the logged values whose steps lie in a window of
     `window` env steps; the windows start at each logged step that leaves a whole window before the run's end."""
@@ -147,7 +161,7 @@ def run_seed(name: str, command: str, seed: int) -> dict:
         "algorithm": name,
         "seed": seed,
         "command": command,
-        "processor": processor(),
+        **machine(),
         "date": datetime.date.today().isoformat(),
         "wall_s": round(wall, 1),
         "last": last_update,
