@@ -3,7 +3,7 @@ the MinAtar network's gradient costs inside the update's `lax.scan`.
 
     uv run python benchmark/jax_env_ceiling.py --env-ids MiniGrid-Empty-5x5 minatar-breakout --num-envs 32 1024 4096
 
-1. **Env step** (`--parts step`): uniformly random actions, a jitted `lax.scan` of `--num-steps` `vmap`ped steps of
+1. **Env step** (`--parts step`): uniformly random actions, a jitted `lax.scan` of `--num-steps` batched steps of
    the script's adapter (cleanrl_utils/jax_envs.py, envpool's auto-reset included), timed over `--repeats` calls
    after one to compile: env steps per second, the most an Anakin PPO run of that env and size could step.
 2. **Torso gradient** (`--parts torso`): the gradient of the actor-critic's outputs for one minibatch of
@@ -54,7 +54,7 @@ def env_step_sps(env_id: str, num_envs: int, num_steps: int, repeats: int) -> fl
     def steps(states, key):
         def step(states, key):
             actions = jax.vmap(env.sample_action)(jax.random.split(key, num_envs))
-            states = jax.vmap(env.step)(states, actions)
+            states = env.step_envs(states, actions)
             return states, jax.vmap(env.reward)(states).sum()
 
         return jax.lax.scan(step, states, jax.random.split(key, num_steps))

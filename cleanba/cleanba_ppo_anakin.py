@@ -363,7 +363,7 @@ def rollout(*, agent: Agent, env, params, envs: EnvState, num_steps: int) -> tup
         logits, value = agent.apply(params, obs)
         action = jax.vmap(jax.random.categorical)(keys[:, 1], logits)
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
-        state = jax.vmap(env.step)(envs.state, action)
+        state = env.step_envs(envs.state, action)
         reward, terminated, truncated = (jax.vmap(f)(state) for f in (env.reward, env.terminated, env.truncated))
         episode_end = terminated | truncated
         # each env's last finished episode (the Sebulba scripts' cleanrl_utils.logger.EpisodeStats, in JAX)

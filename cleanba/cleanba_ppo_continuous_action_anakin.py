@@ -386,7 +386,7 @@ def rollout(*, agent: Agent, env, agent_state: AgentState, envs: EnvState, num_s
         action = action_mean + jnp.exp(action_logstd) * noise
         logprob, _ = gaussian_logprob_entropy(action_mean, action_logstd, action)
         # the env gets the action clipped to its bounds (the adapter clips); the loss keeps the sample
-        state = jax.vmap(env.step)(envs.state, action)
+        state = env.step_envs(envs.state, action)
         reward, terminated, truncated = (jax.vmap(f)(state) for f in (env.reward, env.terminated, env.truncated))
         episode_end = terminated | truncated
         discounted_returns = envs.discounted_returns * gamma + reward

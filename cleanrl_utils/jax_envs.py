@@ -3,9 +3,9 @@
 
 An adapter is functional, for `vmap` and `lax.scan` inside the compiled update: `reset(key)` gives one env's state and
 `step(state, action)` the next, with envpool's auto-reset: the step after an episode's end resets the env and ignores
-its action (so the Sebulba scripts' GAE and losses apply unchanged). The state carries the env's own randomness (its
-reset and sticky-action keys) and the last transition: `observation`, `reward`, `terminated` and `truncated` read it.
-Families:
+its action (so the Sebulba scripts' GAE and losses apply unchanged); `step_envs(states, actions)` steps a batch of
+envs as `jax.vmap(step)` does. The state carries the env's own randomness (its reset and sticky-action keys) and the
+last transition: `observation`, `reward`, `terminated` and `truncated` read it. Families:
 
 - XLand-MiniGrid's MiniGrid tasks (`MiniGrid-Empty-5x5`, ...; Nikulin et al. 2024): the egocentric 7x7 view of tile
   and color ids, no time limit beyond the task's own (a truncation);
@@ -37,7 +37,15 @@ MINATAR_GAMES = ["asterix", "breakout", "freeway", "seaquest", "space_invaders"]
 CRAFTAX_IDS = ["Craftax-Classic-Symbolic-v1"]
 
 
-class XMiniGridEnv:
+class JaxEnv:
+    """What the adapters share: a batch of envs steps as each env does, vmapped. Under `vmap` the reset branch of
+    `step` runs for every env at every step, as a select: cheap where a reset is (Craftax's is not: its own)."""
+
+    def step_envs(self, states, actions):
+        return jax.vmap(self.step)(states, actions)
+
+
+class XMiniGridEnv(JaxEnv):
     """An xminigrid MiniGrid task; its TimeStep is the state (DmEnvAutoResetWrapper resets the step after the end)."""
 
     observation_kind = "symbolic"  # tile and color ids: an MLP on the flattened view
@@ -82,7 +90,7 @@ class MinAtarState(NamedTuple):
     key: jax.Array  # the env's own key: sticky actions and resets draw from it
 
 
-class MinAtarEnv:
+class MinAtarEnv(JaxEnv):
     """A pgx MinAtar game, its State and the env's key. pgx resets nothing by itself: `step` does it, envpool's way."""
 
     observation_kind = "image"  # 10x10 binary channels: pgx's MinAtar PPO example's small CNN
@@ -141,7 +149,7 @@ class CraftaxState(NamedTuple):
     key: jax.Array  # the env's own key: its steps and resets draw from it
 
 
-class CraftaxEnv:
+class CraftaxEnv(JaxEnv):
     """Craftax-Classic without Craftax's own auto-reset (which resets within the ending step and hides the last
     observation): envpool's, the step after the end resets. The time limit is told apart from the game's end."""
 
@@ -170,13 +178,30 @@ class CraftaxEnv:
 
     def step(self, state: CraftaxState, action: jax.Array) -> CraftaxState:
         key, reset_key, step_key = jax.random.split(state.key, 3)
+        return jax.lax.cond(
+            state.done,
+            lambda: self.reset(reset_key)._replace(key=key),
+            lambda: self._step_without_reset(state, action, step_key, key),
+        )
 
-        def step():
-            obs, env, reward, done, _ = self.env.step_env(step_key, state.env, action, self.env_params)
-            return CraftaxState(env, obs, reward.astype(jnp.float32), done, key)
+    def _step_without_reset(self, state: CraftaxState, action, step_key, key) -> CraftaxState:
+        obs, env, reward, done, _ = self.env.step_env(step_key, state.env, action, self.env_params)
+        return CraftaxState(env, obs, reward.astype(jnp.float32), done, key)
 
-        # under vmap both branches run, as a select per env
-        return jax.lax.cond(state.done, lambda: self.reset(reset_key)._replace(key=key), step)
+    def step_envs(self, states: CraftaxState, actions: jax.Array) -> CraftaxState:
+        """`jax.vmap(step)`'s envs and keys (tested), but the envs whose episode ended are reset one at a time, after
+        the vmapped step: under `vmap` the reset branch would generate a world for every env at every step (on a
+        2-core CPU a world takes 1.2-5 ms an env, a step 0.1-0.25 ms; measured in docs/rl-algorithms/ppo_anakin.md)."""
+        key, reset_key, step_key = jnp.moveaxis(jax.vmap(lambda key: jax.random.split(key, 3))(states.key), 1, 0)
+        stepped = jax.vmap(self._step_without_reset)(states, actions, step_key, key)
+        ended = jnp.nonzero(states.done, size=states.done.shape[0])[0]  # the ended envs' indices first
+
+        def reset(i, stepped):
+            env = ended[i]
+            fresh = self.reset(reset_key[env])._replace(key=key[env])
+            return jax.tree.map(lambda batch, one: batch.at[env].set(one), stepped, fresh)
+
+        return jax.lax.fori_loop(0, states.done.sum(), reset, stepped)
 
     def observation(self, state: CraftaxState) -> jax.Array:
         return state.obs
@@ -221,7 +246,7 @@ class PlaygroundState(NamedTuple):
     key: jax.Array  # the env's own key: its resets draw from it
 
 
-class PlaygroundEnv:
+class PlaygroundEnv(JaxEnv):
     """A MuJoCo Playground DeepMind Control Suite task: its State, the episode's step count and the env's key, with
     envpool's auto-reset and time limit (Playground's own training wrappers do both; the raw env does neither)."""
 
@@ -339,7 +364,7 @@ class JaxVectorEnvs:
         self.keys = jax.vmap(jax.random.key)(seed + np.arange(num_envs, dtype=np.uint32))
         self.render_mode, self.state = render_mode, None
         self._reset = jax.jit(jax.vmap(self.env.reset))
-        self._step = jax.jit(jax.vmap(self.env.step))
+        self._step = jax.jit(self.env.step_envs)
 
     def reset(self):
         self.state = self._reset(self.keys)

@@ -1,28 +1,21 @@
 """The Anakin PPO scripts (cleanba_ppo_anakin.py, discrete actions; cleanba_ppo_continuous_action_anakin.py): their
 env adapters, the layout-independence of their one compiled update, their rollouts' bookkeeping against a plain loop,
-bad input, determinism and exact resume (the envs included), two processes, for an env of each family; learning
-MiniGrid-Empty-5x5 and CartpoleBalance against the random policy."""
+bad input, for an env of each family; learning MiniGrid-Empty-5x5 and CartpoleBalance against the random policy (the
+scripts' runs as processes, exact resume and two processes: tests/test_anakin_runs.py)."""
 
-import re
-import shutil
-import signal
 from functools import partial
 
 import flax
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from anakin_families import FAMILIES, TINY, anakin, anakin_continuous, script_of
 from conftest import (
     ANAKIN_SCRIPT,
     CONTINUOUS_ANAKIN_SCRIPT,
-    finish_processes,
-    finish_script,
-    load_script,
     page_command_flags,
     run_script,
-    start_processes,
-    start_script,
-    wait_for_line,
 )
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,14 +25,6 @@ from cleanrl_utils.devices import replicate
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import run_episodes
 
-anakin = load_script(ANAKIN_SCRIPT)
-anakin_continuous = load_script(CONTINUOUS_ANAKIN_SCRIPT)
-
-# tiny runs: 8 envs per device x 16 steps = 128 env steps per update, one 16-unit layer
-TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
-# an env of each library jax_envs adapts
-FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "Craftax-Classic-Symbolic-v1", "CartpoleBalance"]
-DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
     "--env-id MiniGrid-Empty-5x5 --local-num-envs 32 --num-steps 32 --num-minibatches 4 --update-epochs 4 "
@@ -114,7 +99,8 @@ def test_craftax_adapter_steps_as_craftax_tells_the_time_limit_from_death_and_re
     """Craftax-Classic behind the adapter, against Craftax's own `reset_env` and `step_env` in a plain loop: the same
     observations and rewards while the episode runs; an episode that reaches the 10,000-step limit alive is a
     truncation, one that ends by death a termination (Craftax's `done` says neither); the step after an end resets
-    the env with that step's reset key, ignoring its action, and pays nothing."""
+    the env with that step's reset key, ignoring its action, and pays nothing. A batch of envs (`step_envs`, which
+    generates a world for the ended envs only) steps each env as its own `step` does."""
     from craftax.craftax_env import make_craftax_env_from_name
 
     env_id = "Craftax-Classic-Symbolic-v1"
@@ -143,10 +129,21 @@ def test_craftax_adapter_steps_as_craftax_tells_the_time_limit_from_death_and_re
         _, reset_key, _ = jax.random.split(end.key, 3)
         same_obs(after.obs, craftax_reset(jax.random.split(reset_key)[0], params)[0])
         assert float(env.reward(after)) == 0 and not bool(after.done) and int(after.env.timestep) == 0
-        return bool(env.terminated(end)), bool(env.truncated(end))
+        return end
 
-    assert ended(state, timestep=np.int32(params.max_timesteps - 1)) == (False, True)  # the limit, alive
-    assert ended(state, player_health=np.int32(0)) == (True, False)  # death
+    limit, death = ended(state, timestep=np.int32(params.max_timesteps - 1)), ended(state, player_health=np.int32(0))
+    assert (bool(env.terminated(limit)), bool(env.truncated(limit))) == (False, True)  # the limit, alive
+    assert (bool(env.terminated(death)), bool(env.truncated(death))) == (True, False)
+    # a batch of a running env and two ended ones, against each env's own step in a plain loop
+    envs, actions = [state, limit, death], np.int32([3, 5, 7])
+    stepped = jax.jit(env.step_envs)(jax.tree.map(lambda *leaves: jnp.stack(leaves), *envs), actions)
+    for i, (one, action) in enumerate(zip(envs, actions)):
+        expected, batched = step(one, action), jax.tree.map(lambda leaf, i=i: leaf[i], stepped)
+        assert jax.tree.structure(batched) == jax.tree.structure(expected)
+        for got, want in zip(jax.tree.leaves(batched), jax.tree.leaves(expected)):
+            if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+                got, want = jax.random.key_data(got), jax.random.key_data(want)
+            np.testing.assert_allclose(np.asarray(got, float), np.asarray(want, float), rtol=1e-6, atol=0)
     frame = env.render(state)  # a video's frame (the evaluator's envs render env 0's state): Craftax's own pixels
     assert frame.ndim == 3 and frame.shape[-1] == 3 and frame.dtype == np.uint8 and frame.std() > 0
 
@@ -214,13 +211,6 @@ def test_minatar_torso_pools_as_haikus_avg_pool_with_pgxs_window():
     dense = params["Dense_1"]
     expected = flax.linen.relu(pooled.reshape(3, -1) @ dense["kernel"] + dense["bias"])
     np.testing.assert_allclose(torso.apply({"params": params}, images), expected, rtol=1e-5, atol=1e-5)
-
-
-def script_of(env_id: str):
-    """The Anakin script for the env's action kind, and its path."""
-    if env_id.startswith(("MiniGrid-", "minatar-", "Craftax-")):
-        return anakin, ANAKIN_SCRIPT
-    return anakin_continuous, CONTINUOUS_ANAKIN_SCRIPT
 
 
 def tiny_args(**flags):
@@ -379,142 +369,6 @@ def test_bad_input_is_one_line_with_exit_code_2(workdir):
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
     assert run.stderr.startswith("error: --env-id must be one of MiniGrid-"), run.stderr[-2000:]
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def seeded_runs(tmp_path_factory, request) -> dict:
-    """A run, and a second run of the same seed stopped by SIGTERM after update 4, then resumed by the same command (no
-    --resume: a --run-name with checkpoints resumes)."""
-    workdir = tmp_path_factory.mktemp("anakin")
-    flags = [
-        *TINY,
-        "--env-id",
-        request.param,
-        "--total-timesteps",
-        "12800",
-        "--checkpoint-frequency",
-        "0",
-    ]  # 100 updates
-    script = script_of(request.param)[1]
-    first = run_script(flags, workdir, "first", script=script)
-    stopped = start_script(flags, workdir, "stopped", script)
-    try:
-        lines = wait_for_line(stopped, "update=4/")
-        stopped.send_signal(signal.SIGTERM)
-        out, err = stopped.communicate(timeout=60)
-    finally:
-        stopped.kill()
-    resumed = finish_script(start_script(flags, workdir, "stopped", script), workdir, "stopped")
-    return {
-        "first": first,
-        "stopped": (stopped.returncode, "".join(lines) + out, err),
-        "resumed": resumed,
-    }
-
-
-def final_digests(out: str) -> tuple:
-    return DIGESTS.search(out.split("final ")[-1]).groups()
-
-
-@pytest.mark.slow
-def test_a_run_logs_every_update_with_the_actor_at_the_learners_version(seeded_runs):
-    first = seeded_runs["first"]
-    assert first.returncode == 0, first.stderr[-2000:]
-    scalars = first.scalars()
-    for tag in ["charts/SPS", "charts/avg_episodic_return", "charts/learning_rate", "losses/approx_kl"]:
-        assert len(scalars[tag]) > 0, tag
-    assert [v for _, v in scalars["stats/actor_policy_version"]] == list(range(100))  # lag 0: the learner's policy
-    assert [step for step, _ in scalars["charts/SPS"]] == [128 * u for u in range(1, 101)]
-
-
-@pytest.mark.slow
-def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_runs):
-    returncode, out, err = seeded_runs["stopped"]
-    assert returncode == 143, err[-2000:]
-    stopped_update = int(re.findall(r"checkpoint saved: update=(\d+)", out)[-1])
-    assert 4 <= stopped_update < 100, out[-2000:]  # stopped mid-run, after the update the signal reached
-    saved = DIGESTS.search(out.split("checkpoint saved: ")[-1]).groups()
-    uninterrupted = final_digests(seeded_runs["first"].stdout)
-    resumed = seeded_runs["resumed"]
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from checkpoint: update={stopped_update} " in resumed.stdout
-    assert DIGESTS.search(resumed.stdout.split("resumed from checkpoint: ")[1]).groups() == saved
-    # the envs resume where they were: the whole run, params and envs, is the uninterrupted one (so a seed's run is
-    # reproducible too: the stopped run is a second run of the same seed)
-    assert final_digests(resumed.stdout) == uninterrupted
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("env_id", FAMILIES)
-def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, env_id):
-    """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see;
-    for MiniGrid, their checkpoint resumes in one process on two learner devices (the layout change
-    docs/reliability.md promises: the learner key, replicated over two processes when saved, restores onto the one
-    process's devices; the checkpoints' code is the same for every family, the two processes are each family's)."""
-    flags = [
-        *TINY,
-        "--env-id",
-        env_id,
-        "--total-timesteps",
-        "2560",
-        "--num-minibatches",
-        "1",
-        "--checkpoint-frequency",
-        "5",
-    ]
-    hosts, shared, script = [workdir / "host0", workdir / "host1"], workdir / "shared_checkpoints", script_of(env_id)[1]
-    for host in hosts:
-        host.mkdir()
-    results = finish_processes(
-        start_processes([*flags, "--checkpoint-dir", str(shared)], hosts, 2, run_name="two", script=script)
-    )
-    for returncode, _, err in results:
-        assert returncode == 0, err[-3000:]
-    # 10 updates of 16 envs x 16 steps, checkpoints 5 and 10, written by both processes into the shared folder
-    assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10", "5"]
-    digests = [final_digests(out) for _, out, _ in results]
-    assert digests[0] == digests[1], "the processes' states differ"
-    if env_id != FAMILIES[0]:
-        return
-    saved = DIGESTS.search(re.search(r"checkpoint saved: update=5 .*", results[0][1]).group(0)).groups()
-    # checkpoint 5, resumed by one process on two devices: restored bit for bit, and the same 16 envs stepped on to
-    # the same env states, bit for bit
-    one_process = workdir / "one_checkpoints"
-    shutil.copytree(shared, one_process)
-    shutil.rmtree(one_process / "10")
-    flags = [*flags, "--learner-device-ids", "0", "1", "--checkpoint-dir", str(one_process)]
-    one = run_script(flags, workdir, "two", script=script)  # the run's own name, in the working directory
-    assert one.returncode == 0, one.stderr[-3000:]
-    resumed = DIGESTS.search(re.search(r"resumed from checkpoint: update=5 .*", one.stdout).group(0)).groups()
-    assert resumed == saved
-    assert final_digests(one.stdout)[1] == digests[0][1]
-
-
-@pytest.mark.slow
-def test_two_processes_with_a_bad_env_id_each_end_with_its_one_line(workdir):
-    """--env-id is checked once jax.distributed has started (importing xminigrid starts JAX's backend), in every
-    process: each prints the one line and exits 2, process 0 (JAX's coordination service) last, so that no peer is
-    aborted by JAX mid-way (twice: the exits race)."""
-    for attempt in range(2):
-        results = finish_processes(
-            start_processes(
-                [*TINY, "--env-id", "MiniGrid-Empty-5x5-v0"], workdir, 2, run_name=f"bad{attempt}", script=ANAKIN_SCRIPT
-            ),
-            timeout=120,
-        )
-        for rank, (returncode, _, err) in enumerate(results):
-            errors = [line for line in err.splitlines() if line.startswith("error:")]
-            assert returncode == 2 and len(errors) == 1, (attempt, rank, err[-3000:])
-            assert errors[0].startswith("error: --env-id must be one of MiniGrid-"), errors
-            assert "Traceback" not in err and "Terminating process" not in err, err[-3000:]
-
-
-@pytest.mark.slow
-def test_a_diverged_update_stops_with_one_line_and_the_last_finite_checkpoint(workdir):
-    run = run_script([*TINY, "--total-timesteps", "2560", "--learning-rate", "1e38"], workdir, script=ANAKIN_SCRIPT)
-    assert run.returncode == 1, run.stderr[-2000:]
-    error = run.stderr.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: update (\d+) diverged .* the last finite state is checkpoint \d+; .*", error), error
 
 
 def random_policy_return(env_id: str, episodes: int, num_envs: int = 16) -> float:
