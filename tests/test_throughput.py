@@ -124,4 +124,6 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
         timeout=60,
     )
     assert completed.returncode == 2
-    assert completed.stderr.strip() == "error: unknown section 'curves' (allowed: ceiling throughput curve)"
+    assert completed.stderr.strip() == (
+        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling)"
+    )
