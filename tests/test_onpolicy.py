@@ -278,7 +278,8 @@ def test_every_loss_updates_the_same_on_one_and_on_two_learner_devices(policy_lo
         return jax.device_get((state.agent.params, metrics))
 
     (params_one, metrics_one), (params_two, metrics_two) = update(1), update(2)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6), params_one, params_two)
+    # the two devices' sums add in another order: on an AMD EPYC the params near 0 differ by up to 7e-6 (awr, vtrace)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-5), params_one, params_two)
     assert metrics_one.keys() == metrics_two.keys()
     for name in metrics_one:
         np.testing.assert_allclose(metrics_one[name], metrics_two[name], rtol=2e-5, atol=1e-6, err_msg=name)
