@@ -278,7 +278,7 @@ def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
 def test_learning_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_the_figure(workdir):
     """--table-only over recorded runs: the mean ± std over seeds of each variant's final returns (NumPy), CleanRL's
     number where it publishes one and "-" where not (CartpoleBalance-v1), a mean more than two of CleanRL's stds
-    below its mean marked, and the figure written."""
+    below its mean marked, the saved models' evaluations in a row of their own, and the figure written."""
     from cleanrl_utils.summary_writer import SummaryWriter
 
     finals = {("Hopper-v4", 1): 1500.0, ("Hopper-v4", 2): 1000.0, ("CartpoleBalance-v1", 1): 900.0}
@@ -290,7 +290,9 @@ def test_learning_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_t
                 writer.add_scalars({"charts/avg_episodic_return": final * step / 10}, step * 2048)
             writer.close()
             record = {"script": "onpolicy", "env_id": env_id, "variant": "ppo", "seed": seed}
-            results.write(json.dumps({**record, "final_return": final, "run_dir": str(run_dir)}) + "\n")
+            # a saved model's evaluation (--save-model) for the Hopper runs: a row of its own
+            evaluation = {"eval_return": final + 100} if env_id == "Hopper-v4" else {}
+            results.write(json.dumps({**record, "final_return": final, "run_dir": str(run_dir), **evaluation}) + "\n")
     process = subprocess.run(
         [sys.executable, str(REPO / "benchmark" / "learning_runs.py"), "--table-only", "--variants", "ppo"]
         + ["--env-ids", "Hopper-v4", "CartpoleBalance-v1", "--seeds", "1", "2"]
@@ -304,6 +306,7 @@ def test_learning_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_t
     hopper = f"{np.mean([1500.0, 1000.0]):,.1f} ± {np.std([1500.0, 1000.0]):,.1f} (n=2, worst 1,000.0)"
     hopper += " **below**"  # < 2382.86 - 2 x 271.74
     assert f"| ppo | {hopper} | 900.0 ± 0.0 (n=1, worst 900.0) |" in process.stdout, process.stdout
+    assert "| ppo: saved model | 1,350.0 ± 250.0 (n=2, worst 1,100.0) **below** | - |" in process.stdout
     assert "| CleanRL ppo_continuous_action (published, 3 seeds) | 2,382.86 ± 271.74 | - |" in process.stdout
     assert (workdir / "figure.png").stat().st_size > 10_000
 
