@@ -3,6 +3,8 @@
 usage: python tests/fault_injection.py SCRIPT {env|learner|slow-checkpoint|disk-full|kill-in-rewrite} N [flags...]
   env N:             every actor's environment raises after N steps
   learner N:         the learner raises at its N-th update
+                     (both print "fault injected at T", T the time.time() of the first fault, so that tests time the
+                     shutdown alone, not the start before it)
   slow-checkpoint N: every checkpoint write prints "checkpoint write started: update=U" and takes N seconds longer
   disk-full N:       after the N-th checkpoint (N=0: as the first begins), no file can grow (RLIMIT_FSIZE 0: every
                      write fails in the kernel with EFBIG, as ENOSPC would on a full disk), printing "disk full now"
@@ -42,6 +44,7 @@ def main():
             def failing_step(action):
                 steps_taken[0] += 1
                 if steps_taken[0] > n:
+                    print(f"fault injected at {time.time()}", flush=True)
                     raise InjectedFault(f"injected env failure after {n} steps")
                 return step(action)
 
@@ -55,6 +58,7 @@ def main():
         def failing_assemble(*args, **kwargs):
             updates[0] += 1
             if updates[0] >= n:
+                print(f"fault injected at {time.time()}", flush=True)
                 raise InjectedFault(f"injected learner failure at update {n}")
             return assemble(*args, **kwargs)
 

@@ -17,14 +17,18 @@ from conftest import (
     wait_for_line,
 )
 
+def first_fault_time(stdout: str) -> float:
+    """When tests/fault_injection.py raised its first fault (it prints `fault injected at T`)."""
+    return min(float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("fault injected at "))
+
+
 CARTPOLE = ["--env-id", "CartPole-v1", "--local-num-envs", "4", "--num-steps", "16", "--hiddens", "8"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
-def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
+def test_actor_failure_ends_the_run_within_20_seconds(workdir, script):
     # 2 actor threads; their envs fail after 40 steps (in the third rollout): the learner is waiting on the queue
-    start = time.time()
     run = subprocess.run(
         [
             sys.executable,
@@ -46,9 +50,10 @@ def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
         timeout=120,
         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS},
     )
-    elapsed = time.time() - start
+    ended = time.time()
     assert run.returncode != 0
-    assert elapsed < 30, f"took {elapsed:.1f}s"
+    # timed from the fault, not from the start: a loaded machine's slower imports and compiles are not a hang
+    assert ended - first_fault_time(run.stdout) < 20, f"ended {ended - first_fault_time(run.stdout):.1f}s after the fault"
     # the original traceback, down to the failing line, not just a summary
     assert "injected env failure after 40 steps" in run.stderr
     assert 'raise InjectedFault(f"injected env failure' in run.stderr
@@ -57,7 +62,6 @@ def test_actor_failure_ends_the_run_within_30_seconds(workdir, script):
 
 @pytest.mark.slow
 def test_learner_failure_ends_the_run_and_its_actors(workdir):
-    start = time.time()
     run = subprocess.run(
         [
             sys.executable,
@@ -81,8 +85,9 @@ def test_learner_failure_ends_the_run_and_its_actors(workdir):
         timeout=120,
         env={**os.environ, "PYTHONWARNINGS": SUBPROCESS_WARNINGS},
     )
+    ended = time.time()
     assert run.returncode != 0
-    assert time.time() - start < 60
+    assert ended - first_fault_time(run.stdout) < 20, f"ended {ended - first_fault_time(run.stdout):.1f}s after the fault"
     assert "injected learner failure at update 3" in run.stderr
 
 
