@@ -32,10 +32,10 @@ README_FLAGS = (
 ).split()
 
 
-def in_process(env_ids: list[str]) -> list:
+def in_process(env_ids: list[str], quick: tuple[str, ...] = tuple(FAMILIES[:2])) -> list:
     """MJX's physics and Craftax's world generation take tens of seconds to compile on a CPU: their in-process tests
-    are in the slow tier."""
-    return [pytest.param(env_id, marks=pytest.mark.slow) if env_id in FAMILIES[2:] else env_id for env_id in env_ids]
+    are in the slow tier, and so are the families not in `quick`."""
+    return [env_id if env_id in quick else pytest.param(env_id, marks=pytest.mark.slow) for env_id in env_ids]
 
 
 def test_the_env_factory_gives_minigrid_spaces_and_envpools_auto_reset():
@@ -245,7 +245,8 @@ def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2
     return jax.device_get(state.agent.params), jax.device_get(state.envs), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("env_id", in_process(FAMILIES))
+# the quick tier keeps MiniGrid's (MinAtar's two compiles of its CNN's update took 56 s of a loaded quick tier)
+@pytest.mark.parametrize("env_id", in_process(FAMILIES, quick=("MiniGrid-Empty-5x5",)))
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are the same
     on one and on two devices (bitwise with discrete actions; continuous actions carry the params' float sums into

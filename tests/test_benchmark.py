@@ -337,6 +337,7 @@ def test_time_to_a_return_is_the_first_update_of_a_sustained_mean_as_a_plain_loo
 # ---------------------------------------------------------------- benchmark/jax_env_ceiling.py
 
 
+@pytest.mark.slow  # an end-to-end run of over ~9 s: 54 s of a loaded quick tier
 def test_jax_env_ceiling_writes_a_line_per_env_size_and_torso(workdir):
     """Tiny settings: an env step rate for each library's env and size, and the gradient time of both MinAtar torsos
     inside and outside `lax.scan`, each a JSON line with the processor."""
