@@ -74,6 +74,7 @@ def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     )
 
 
+SLOW = pytest.mark.slow
 # the replay scripts' tiny networks; their runs on Atari and CartPole are in test_r2d2.py and test_muzero.py
 REPLAY_SCRIPTS = {
     "r2d2": (R2D2_SCRIPT, dict(channels=[4], hiddens=[16], lstm_size=8)),
@@ -84,8 +85,15 @@ REPLAY_SCRIPTS = {
 }
 
 
-@pytest.mark.parametrize("env_id", ["MiniGrid-Empty-5x5-v0", "gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"])
-@pytest.mark.parametrize("name", list(REPLAY_SCRIPTS))
+# MuZero's image torso compiles for 15-17 s on a 2-core CPU: its image layouts are in the slow tier
+@pytest.mark.parametrize(
+    "name, env_id",
+    [
+        (name, env_id) if name == "r2d2" or env_id.startswith("MiniGrid-") else pytest.param(name, env_id, marks=SLOW)
+        for name in REPLAY_SCRIPTS
+        for env_id in ["MiniGrid-Empty-5x5-v0", "gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"]
+    ],
+)
 def test_replay_scripts_act_on_each_observation_layout(name, env_id):
     # R2D2 and MuZero take every discrete family too: a dict (MiniGrid: flattened, MLP), channel-last (Football's
     # map) and channel-first images (Procgen: IMPALA CNN / MuZero's torso), through the saved-model policy
