@@ -141,6 +141,11 @@ class MinAtarEnv(JaxEnv):
         return np.kron(frame, np.ones((8, 8, 1), np.uint8))
 
 
+def strongly_typed(tree):
+    """`tree` with every weakly typed leaf given its dtype for good (the types a step returns)."""
+    return jax.tree.map(lambda leaf: jax.lax.convert_element_type(leaf, jnp.asarray(leaf).dtype), tree)
+
+
 class CraftaxState(NamedTuple):
     env: Any  # Craftax's EnvState (its timestep counts the episode's steps)
     obs: jax.Array  # Craftax returns the observation beside its state: kept here
@@ -170,8 +175,7 @@ class CraftaxEnv(JaxEnv):
         obs, env = self.env.reset_env(reset_key, self.env_params)
         # Craftax's reset leaves half its fields weakly typed, its step does not: without this the update, given
         # the reset envs and then its own, would compile twice
-        env = jax.tree.map(lambda leaf: jax.lax.convert_element_type(leaf, jnp.asarray(leaf).dtype), env)
-        return CraftaxState(env, obs, jnp.float32(0), jnp.bool_(False), key)
+        return CraftaxState(strongly_typed(env), obs, jnp.float32(0), jnp.bool_(False), key)
 
     def sample_action(self, key: jax.Array) -> jax.Array:
         return jax.random.randint(key, (), 0, self.num_actions)

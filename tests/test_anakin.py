@@ -24,6 +24,7 @@ from cleanrl_utils.cli import parse_flags
 from cleanrl_utils.devices import replicate
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import run_episodes
+from cleanrl_utils.jax_envs import strongly_typed
 
 # the README's CPU command: the Sebulba PPO MiniGrid test's settings (1,024 env steps per update) in one program
 README_FLAGS = (
@@ -112,8 +113,7 @@ def test_craftax_adapter_steps_as_craftax_tells_the_time_limit_from_death_and_re
     step, craftax_step, craftax_reset = jax.jit(env.step), jax.jit(craftax.step_env), jax.jit(craftax.reset_env)
     reset_key, key = jax.random.split(jax.random.key(0))  # the adapter's state carries the env's own key
     state, (obs, expected) = jax.jit(env.reset)(jax.random.key(0)), craftax_reset(reset_key, params)
-    # its reset's fields weakly typed as its step's are not, or the reference step compiles twice (10 s here)
-    expected = jax.tree.map(lambda leaf: jnp.asarray(leaf, jnp.asarray(leaf).dtype), expected)
+    expected = strongly_typed(expected)  # as the adapter's reset: else the reference step compiles twice (10 s here)
     same_obs(state.obs, obs)
     rng = np.random.default_rng(0)
     for _ in range(50):

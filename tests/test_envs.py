@@ -74,7 +74,6 @@ def test_family_trains_logs_and_evaluates_its_saved_model(family_run, family):
     )
 
 
-SLOW = pytest.mark.slow
 # the replay scripts' tiny networks; their runs on Atari and CartPole are in test_r2d2.py and test_muzero.py
 REPLAY_SCRIPTS = {
     "r2d2": (R2D2_SCRIPT, dict(channels=[4], hiddens=[16], lstm_size=8)),
@@ -83,15 +82,16 @@ REPLAY_SCRIPTS = {
         dict(channels=[4, 4], num_blocks=1, hiddens=[16], embedding_size=8, support_size=5, num_simulations=4),
     ),
 }
+IMAGE_ENVS = ["gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"]  # channel-last, channel-first
 
 
 # MuZero's image torso compiles for 15-17 s on a 2-core CPU: its image layouts are in the slow tier
 @pytest.mark.parametrize(
     "name, env_id",
     [
-        (name, env_id) if name == "r2d2" or env_id.startswith("MiniGrid-") else pytest.param(name, env_id, marks=SLOW)
+        pytest.param(name, env_id, marks=[pytest.mark.slow] if name == "muzero" and env_id in IMAGE_ENVS else [])
         for name in REPLAY_SCRIPTS
-        for env_id in ["MiniGrid-Empty-5x5-v0", "gfootball/academy_empty_goal_close-v1", "BigfishEasy-v0"]
+        for env_id in ["MiniGrid-Empty-5x5-v0", *IMAGE_ENVS]
     ],
 )
 def test_replay_scripts_act_on_each_observation_layout(name, env_id):
