@@ -14,6 +14,10 @@
 #   (e) jax-ceiling the env step alone of each MinAtar game at CEILING_ENVS (4,096 65,536) envs and the MinAtar network's gradient
 #                   (benchmark/jax_env_ceiling.py), then the Anakin PPO alone on Breakout at pgx's settings for
 #                   ANAKIN_UPDATES (8) updates: its steady SPS, as a fraction of the env step's at 4,096 envs
+#   (f) pgx-check   not in the default list: pgx's own MinAtar PPO example (PGX_TRAIN: a checkout's
+#                   examples/minatar-ppo/train.py, run with benchmark/pgx_stand_ins) beside the Anakin PPO as it is and
+#                   with haiku's initializers, on Breakout at 20M steps, seeds PGX_SEEDS (0-7) and OURS_SEEDS (1-8),
+#                   all sharing the GPU (benchmark/pgx_minatar_check.py; the example needs dm-haiku installed)
 #
 # usage (repository root, on a machine with an NVIDIA GPU):
 #   bash benchmark/gpu.sh [results folder] [sections...]
@@ -85,7 +89,14 @@ for section in $sections; do
       | grep -E "^update=|error"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! Anakin SPS run failed"; status=1; }
     ;;
-  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling)" >&2; exit 2 ;;
+  pgx-check)
+    [ -f "${PGX_TRAIN:-}" ] || { echo "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py" >&2; exit 2; }
+    # shellcheck disable=SC2086
+    step $PY benchmark/pgx_minatar_check.py --pgx-train "$PGX_TRAIN" --python "$PY" --logs "$out/pgx_check_logs" \
+      --results "$out/gpu_pgx_minatar_check.jsonl" --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} \
+      --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
+    ;;
+  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check)" >&2; exit 2 ;;
   esac
 done
 exit $status

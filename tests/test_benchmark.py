@@ -356,3 +356,88 @@ def test_jax_env_ceiling_writes_a_line_per_env_size_and_torso(workdir):
     torsos = {(line["torso"], line["scanned"]) for line in lines if line["part"] == "torso"}
     assert torsos == {(torso, scanned) for torso in ["patches", "conv"] for scanned in (False, True)}
     assert all(line.get("sps", line.get("ms")) > 0 and line["processor"] for line in lines)
+
+
+# ---------------------------------------------------------------- benchmark/pgx_minatar_check.py
+
+
+def test_pgx_stand_in_categorical_is_distraxs_distribution():
+    """pgx's example runs with benchmark/pgx_stand_ins first on its path: its Categorical must be distrax's."""
+    import distrax
+
+    sys.path.insert(0, str(REPO / "benchmark" / "pgx_stand_ins"))
+    try:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "stand_in_distrax", REPO / "benchmark" / "pgx_stand_ins" / "distrax" / "__init__.py"
+        )
+        stand_in = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(stand_in)
+    finally:
+        sys.path.remove(str(REPO / "benchmark" / "pgx_stand_ins"))
+    logits = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32) * 3
+    actions = np.arange(5) % 6
+    ours, theirs = stand_in.Categorical(logits=logits), distrax.Categorical(logits=logits)
+    np.testing.assert_allclose(ours.log_prob(actions), theirs.log_prob(actions), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.entropy(), theirs.entropy(), rtol=1e-5, atol=1e-6)
+    import jax
+
+    samples = np.asarray(stand_in.Categorical(logits=np.log([[0.2, 0.5, 0.3]] * 20000)).sample(jax.random.key(0)))
+    np.testing.assert_allclose(np.bincount(samples, minlength=3) / 20000, [0.2, 0.5, 0.3], atol=0.015)
+
+
+def test_pgx_check_reads_pgx_and_our_logs_and_runs_ours_through_haiku_init(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import pgx_minatar_check
+
+    (tmp_path / "pgx_3.log").write_text(
+        "PPOConfig(...)\n{'sec': 1.0, 'minatar-breakout/eval_R': 0.5, 'steps': 0}\n"
+        "{'sec': 55.3, 'minatar-breakout/eval_R': 41.95, 'steps': 19922944}\n"
+    )
+    (tmp_path / "haiku_4.log").write_text(
+        "update=38/38 global_step=19922944 SPS=140993 avg_episodic_return=29.97 actor_policy_version=37\n"
+        "evaluated runs/x/haiku.cleanrl_model (sampled actions): 100 episodes, episodic_return=50.31 +- 46.06 in 9s\n"
+    )
+    (tmp_path / "default_5.log").write_text("update=3/38 global_step=1572864 SPS=1 avg_episodic_return=2.0\n")
+    assert pgx_minatar_check.record(tmp_path / "pgx_3.log") == {
+        "variant": "pgx example",
+        "seed": 3,
+        "eval_return": 41.95,
+        "steps": 19922944,
+    }
+    assert pgx_minatar_check.record(tmp_path / "haiku_4.log") == {
+        "variant": "ours, haiku",
+        "seed": 4,
+        "eval_return": 50.31,
+        "steps": 19922944,
+        "training_return": 29.97,
+    }
+    assert pgx_minatar_check.record(tmp_path / "default_5.log") is None  # stopped before its evaluation
+    args = pgx_minatar_check.Args(logs="l", results="r", pgx_train="train.py", pgx_seeds=[0], ours_seeds=[1])
+    runs = pgx_minatar_check.commands(args)
+    assert sorted(runs) == ["default_1", "haiku_1", "pgx_0"]
+    assert runs["pgx_0"][0][-3:] == ["env_name=minatar-breakout", "seed=0", "total_timesteps=20000000"]
+    assert runs["pgx_0"][1]["PYTHONPATH"].startswith(str(REPO / "benchmark" / "pgx_stand_ins"))
+    assert runs["haiku_1"][0][1].endswith("benchmark/haiku_init.py") and "haiku_init.py" not in runs["default_1"][0]
+
+
+def test_haiku_init_gives_every_layer_haikus_truncated_normal():
+    """Each kernel's std x sqrt(fan_in) (those of 256 numbers or more) is about 0.88, haiku's cut normal of stddev
+    1/sqrt(fan_in), where the script's own orthogonal init gives sqrt(2) or 0.01 (in a process of its own: the
+    replacement is global)."""
+    code = (
+        "import sys, jax, numpy as np; sys.path[:0] = ['benchmark', 'tests']; import haiku_init; "
+        "haiku_init.use_haiku_initializers(); from conftest import ANAKIN_SCRIPT, load_script; "
+        "script = load_script(ANAKIN_SCRIPT); "
+        "args = script.Args(env_id='minatar-breakout', hiddens=[64, 64]); "
+        "params = script.make_agent(args, jax.random.key(0))[1].params; "
+        "kernels = [k for k in jax.tree.leaves(params) if k.ndim == 2 and k.size >= 256]; "
+        "print([round(float(np.std(k) * np.sqrt(k.shape[0])), 2) for k in kernels])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=script_env()
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    scales = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(scales) == 6 and all(0.8 < scale < 0.96 for scale in scales), scales  # all but the 2 heads

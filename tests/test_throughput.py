@@ -125,5 +125,5 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
     )
     assert completed.returncode == 2
     assert completed.stderr.strip() == (
-        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling)"
+        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check)"
     )
