@@ -127,3 +127,16 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
     assert completed.stderr.strip() == (
         "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check)"
     )
+
+
+def test_gpu_benchmarks_pgx_check_without_pgxs_example_is_one_line(workdir):
+    completed = subprocess.run(
+        ["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "pgx-check"],
+        cwd=REPO,
+        env={**script_env(), "PY": sys.executable, "PGX_TRAIN": str(workdir / "missing.py")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 2
+    assert completed.stderr.strip() == "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py"
