@@ -223,15 +223,21 @@ def same_seed_and_resumed_runs(tmp_path_factory, name: str, start, flags: list[s
     "resumed" and "resumed_again" (its checkpoint resumed in its folder and in a copy in another folder).
     `start(flags, cwd, run_name)` starts one run."""
     workdir = tmp_path_factory.mktemp(name)
-    first, stopped = start([*flags, "--checkpoint-frequency", "1"], workdir, "first"), start(flags, workdir, "stopped")
+    first, stopped = start([*flags, "--checkpoint-frequency", "1"], workdir, "first"), None
     try:
+        # "stopped" starts once "first" has compiled its programs (its update 3 learns in every replay script), so
+        # that it loads them from the test session's compilation cache instead of compiling them beside it
+        first_lines = wait_for_line(first, "update=3/")
+        stopped = start(flags, workdir, "stopped")
         lines = wait_for_line(stopped, "update=4/")
         stopped.send_signal(signal.SIGTERM)
         out, err = stopped.communicate(timeout=120)
         result = {"first": finish_script(first, workdir, "first")}
+        result["first"].stdout = "".join(first_lines) + result["first"].stdout
     finally:
         for process in [first, stopped]:
-            process.kill()
+            if process is not None:
+                process.kill()
     result["stopped"] = (stopped.returncode, "".join(lines) + out, err)
     result["stopped_scalars"] = read_scalars(workdir / "runs" / "stopped")
     copy = tmp_path_factory.mktemp(f"{name}_copy")  # the same run (--run-name is a flag of the run) in another folder
