@@ -76,7 +76,12 @@ def commands(args: Args) -> dict[str, tuple[list[str], dict]]:
             flags = f"{PGX_PPO} --env-id {args.env_id} --seed {seed} --total-timesteps {args.total_timesteps}"
             flags += f" --exp-name pgx_check_{variant} --checkpoint-frequency 0 --save-model --eval-episodes 100"
             runs[f"{variant}_{seed}"] = (
-                [*shlex.split(args.python), *wrapper, "cleanba/cleanba_ppo_anakin.py", *flags.split()],
+                [
+                    *shlex.split(args.python),
+                    *wrapper,
+                    str(BENCHMARK.parent / "cleanba" / "cleanba_ppo_anakin.py"),
+                    *flags.split(),
+                ],
                 {},
             )
     return runs
@@ -114,6 +119,10 @@ def record(log: Path) -> dict | None:
 
 
 def main(args: Args) -> None:
+    if args.env_id not in PGX_MINATAR_PPO:
+        fail(f"--env-id {args.env_id!r} is not one of pgx's MinAtar games: {', '.join(PGX_MINATAR_PPO)}")
+    if unknown := sorted(set(args.variants) - {"default", "haiku"}):
+        fail(f"--variants {' '.join(unknown)}: each must be default or haiku")
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     walls = {}
