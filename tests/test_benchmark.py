@@ -1,5 +1,6 @@
 """cleanrl_utils.benchmark: local sweeps that survive failed runs, and Slurm job arrays from cleanba.slurm_template."""
 
+import importlib.util
 import json
 import os
 import re
@@ -361,30 +362,42 @@ def test_jax_env_ceiling_writes_a_line_per_env_size_and_torso(workdir):
 # ---------------------------------------------------------------- benchmark/pgx_minatar_check.py
 
 
-def test_pgx_stand_in_categorical_is_distraxs_distribution():
-    """pgx's example runs with benchmark/pgx_stand_ins first on its path: its Categorical must be distrax's."""
+def stand_in(name: str):
+    """A module of benchmark/pgx_stand_ins, loaded under its own name (not as the real package it stands for)."""
+    spec = importlib.util.spec_from_file_location(
+        f"stand_in_{name}", REPO / "benchmark" / "pgx_stand_ins" / name / "__init__.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pgx_stand_ins_are_distraxs_distribution_and_read_pgxs_arguments(monkeypatch):
+    """pgx's example runs with benchmark/pgx_stand_ins first on its path: its Categorical must be distrax's, and its
+    `key=value` arguments must reach its config with their types (its seed above all)."""
     import distrax
-
-    sys.path.insert(0, str(REPO / "benchmark" / "pgx_stand_ins"))
-    try:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(
-            "stand_in_distrax", REPO / "benchmark" / "pgx_stand_ins" / "distrax" / "__init__.py"
-        )
-        stand_in = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(stand_in)
-    finally:
-        sys.path.remove(str(REPO / "benchmark" / "pgx_stand_ins"))
-    logits = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32) * 3
-    actions = np.arange(5) % 6
-    ours, theirs = stand_in.Categorical(logits=logits), distrax.Categorical(logits=logits)
-    np.testing.assert_allclose(ours.log_prob(actions), theirs.log_prob(actions), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ours.entropy(), theirs.entropy(), rtol=1e-5, atol=1e-6)
     import jax
 
-    samples = np.asarray(stand_in.Categorical(logits=np.log([[0.2, 0.5, 0.3]] * 20000)).sample(jax.random.key(0)))
-    np.testing.assert_allclose(np.bincount(samples, minlength=3) / 20000, [0.2, 0.5, 0.3], atol=0.015)
+    logits = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32) * 3
+    actions = np.arange(5) % 6
+    ours, theirs = stand_in("distrax").Categorical(logits=logits), distrax.Categorical(logits=logits)
+    np.testing.assert_allclose(ours.log_prob(actions), theirs.log_prob(actions), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.entropy(), theirs.entropy(), rtol=1e-5, atol=1e-6)
+    probabilities = [0.2, 0.5, 0.3]
+    samples = np.asarray(stand_in("distrax").Categorical(np.log([probabilities] * 20000)).sample(jax.random.key(0)))
+    np.testing.assert_allclose(np.bincount(samples, minlength=3) / 20000, probabilities, atol=0.015)
+
+    class Config(stand_in("pydantic").BaseModel):
+        env_name: str = "minatar-breakout"
+        seed: int = 0
+        lr: float = 0.0003
+
+    omegaconf = stand_in("omegaconf").OmegaConf
+    monkeypatch.setattr(sys, "argv", ["train.py", "seed=7", "lr=0.001", "env_name=minatar-freeway"])
+    config = Config(**omegaconf.to_object(omegaconf.from_cli()))
+    assert config.dict() == {"env_name": "minatar-freeway", "seed": 7, "lr": 0.001}
+    with pytest.raises(TypeError, match="unknown field"):
+        Config(sed=7)
 
 
 def test_pgx_check_reads_pgx_and_our_logs_and_runs_ours_through_haiku_init(tmp_path):
