@@ -380,11 +380,12 @@ def test_pgx_stand_ins_are_distraxs_distribution_and_read_pgxs_arguments(monkeyp
 
     logits = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32) * 3
     actions = np.arange(5) % 6
-    ours, theirs = stand_in("distrax").Categorical(logits=logits), distrax.Categorical(logits=logits)
+    categorical = stand_in("distrax").Categorical
+    ours, theirs = categorical(logits=logits), distrax.Categorical(logits=logits)
     np.testing.assert_allclose(ours.log_prob(actions), theirs.log_prob(actions), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ours.entropy(), theirs.entropy(), rtol=1e-5, atol=1e-6)
     probabilities = [0.2, 0.5, 0.3]
-    samples = np.asarray(stand_in("distrax").Categorical(np.log([probabilities] * 20000)).sample(jax.random.key(0)))
+    samples = np.asarray(categorical(np.log([probabilities] * 20000)).sample(jax.random.key(0)))
     np.testing.assert_allclose(np.bincount(samples, minlength=3) / 20000, probabilities, atol=0.015)
 
     class Config(stand_in("pydantic").BaseModel):
