@@ -1,6 +1,7 @@
 """Shared helpers: run a cleanba script the way a user does (a subprocess), and read what it wrote."""
 
 import atexit
+import functools
 import os
 import re
 import shlex
@@ -340,14 +341,43 @@ def wait_for_line(process: subprocess.Popen, prefix: str) -> list[str]:
     )
 
 
+@functools.cache
+def why_procgen_cannot_start() -> str | None:
+    """Why envpool's Procgen cannot start on this machine (it needs the system Qt 5 runtime), or None."""
+    from cleanrl_utils.envs import check_env_id
+    from cleanrl_utils.errors import UsageError
+
+    try:
+        check_env_id("BigfishEasy-v0", discrete=True)
+    except UsageError as error:
+        return str(error)
+    return None
+
+
+def pytest_runtest_setup(item):
+    """A test marked `procgen` needs the system Qt 5 runtime: without it, it is skipped (one summary line says why),
+    unless CLEANBA_REQUIRE_QT5 is set (.ci/run installed the runtime for these tests): then it fails."""
+    if item.get_closest_marker("procgen") and (reason := why_procgen_cannot_start()) is not None:
+        if os.environ.get("CLEANBA_REQUIRE_QT5"):
+            pytest.fail(f"CLEANBA_REQUIRE_QT5 is set, but Procgen cannot start here: {reason}")
+        pytest.skip(f"Procgen: {reason}")
+
+
 def pytest_terminal_summary(terminalreporter):
-    """One line when the real-Slurm tests (tests/test_slurm.py) could not run here, and why (read from their skip
-    reports, which reach this process from every pytest-xdist worker)."""
+    """One line for each group of tests that could not run here for want of system packages, and why: the real-Slurm
+    tests (tests/test_slurm.py) and the Procgen ones (read from their skip reports, which reach this process from every
+    pytest-xdist worker)."""
+    reasons = {}
     for report in terminalreporter.stats.get("skipped", []):
-        if report.nodeid.startswith("tests/test_slurm.py") and isinstance(report.longrepr, tuple):
-            reason = report.longrepr[2].removeprefix("Skipped: ")
-            terminalreporter.write_line(f"the Slurm tests did not run: {reason}")
-            return
+        if not isinstance(report.longrepr, tuple):
+            continue
+        reason = report.longrepr[2].removeprefix("Skipped: ")
+        if report.nodeid.startswith("tests/test_slurm.py"):
+            reasons.setdefault("the Slurm tests", [reason, 0])[1] += 1
+        elif reason.startswith("Procgen: "):
+            reasons.setdefault("the Procgen tests", [reason.removeprefix("Procgen: "), 0])[1] += 1
+    for group, (reason, count) in reasons.items():
+        terminalreporter.write_line(f"{group} did not run ({count}): {reason}")
 
 
 @pytest.fixture
