@@ -1,6 +1,7 @@
 """The code's pointers into the docs: every `README.md#anchor` / `docs/PAGE.md#anchor` named in a docstring or
 comment is a heading that exists (anchors as mkdocs makes them), and no pointer is written as prose ("README: the
-learner loop") that no test can follow."""
+learner loop") that no test can follow; and the pages' "ends at `update=N/N global_step=M`" lines are what their
+commands' flags give."""
 
 import re
 
@@ -48,3 +49,58 @@ def test_anchors_are_the_ones_mkdocs_makes():
     assert "on-a-gpu" in anchors(REPO / "docs" / "performance.md")
     assert "the-sebulba-system-every-script" in anchors(REPO / "docs" / "rl-algorithms" / "ppo.md")
     assert "the-readmes-cartpole-command-ten-seeds" in anchors(REPO / "docs" / "rl-algorithms" / "muzero.md")
+
+
+END_LINE = re.compile(r"update=(\d+)/(\d+) global_step=(\d+)")
+
+
+def commands_and_their_end_lines(page) -> list[tuple[list[str], list[tuple[int, int, int]]]]:
+    """Per bash block of a page that runs scripts: its commands (continuation lines joined) and the
+    `update=N/N global_step=M` lines the prose after it (up to the next code block) says they end at."""
+    text = page.read_text()
+    blocks = list(re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S))
+    found = []
+    for block, following in zip(blocks, [*blocks[1:], None]):
+        prose = text[block.end() : following.start() if following else len(text)]
+        lines = block.group(2).replace("\\\n", " ").splitlines()
+        commands = [" ".join(line.split()) for line in lines if "cleanba/cleanba_" in line]
+        ends = [tuple(map(int, match)) for match in END_LINE.findall(prose)]
+        if block.group(1) == "bash" and commands and ends:
+            found.append((commands, ends))
+    return found
+
+
+def last_console_line(command: str) -> tuple[int, int, int]:
+    """(update, num_updates, global_step) of a one-process command's last console line, from its parsed flags and the
+    batch every script derives (cleanrl_utils.flags.derive_batch_values, with the run's env copies)."""
+    from types import SimpleNamespace
+
+    from cleanrl_utils.cli import parse_flags
+    from cleanrl_utils.evals.evaluate import load_script
+    from cleanrl_utils.flags import SebulbaArgs, derive_batch_values
+    from cleanrl_utils.run import AnakinRun, SebulbaRun
+
+    words = command.split()
+    script = next(word for word in words if word.startswith("cleanba/cleanba_"))
+    module = load_script(REPO / script)
+    args = parse_flags(module.Args, words[words.index(script) + 1 :])
+    layout = SimpleNamespace(
+        actor_devices=getattr(args, "actor_device_ids", []), learner_devices=args.learner_device_ids
+    )
+    run = SebulbaRun if isinstance(args, SebulbaArgs) else AnakinRun
+    derive_batch_values(args, world_size=1, local_rank=0, **run.env_copies(args, layout))
+    return args.num_updates, args.num_updates, args.num_updates * args.batch_size
+
+
+def test_the_end_lines_the_pages_promise_are_the_commands_own():
+    """ "ends at `update=N/N global_step=M`" after a README or docs command is what the command's flags give."""
+    checked, wrong = 0, []
+    for page in [REPO / "README.md", *REPO.glob("docs/**/*.md")]:
+        if page.name == "index.md":  # the README itself
+            continue
+        for commands, ends in commands_and_their_end_lines(page):
+            computed = [last_console_line(command) for command in commands]
+            checked += len(ends)
+            wrong += [f"{page.relative_to(REPO)}: {end} is none of {computed}" for end in ends if end not in computed]
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 8  # the README's one-per-algorithm CPU commands say where they end
