@@ -3,42 +3,21 @@
 Library code raises typed errors (cleanrl_utils.errors); `run_cli` prints a `UsageError` as one `error:` line with
 exit code 2 (like argparse), a `RunError` or an `OSError` (disk full, permission denied) as one line with exit code 1,
 and a bad flag value or choice (tyro's parse errors) as one `error:` line with exit code 2 too. After jax.distributed
-has started, a failed process ends at once (`exit_process`): the interpreter's exit barrier would wait for peers that
+has started, a failed process ends at once (cleanrl_utils.processes.exit_process, the one other place a process
+exits): the interpreter's exit barrier would wait for peers that
 may still be training (they stop with their own error, or when their heartbeat times out); a failure in a collective
 because a peer ended first is one line naming that peer (cleanrl_utils/processes.py).
 """
 
 import contextlib
 import io
-import os
 import sys
 import traceback
-from typing import NoReturn
 
 import tyro
 
 from cleanrl_utils.errors import UsageError, error_line, exit_code
-
-_process = {"distributed": False}
-
-
-def distributed_started() -> bool:
-    """Whether this process joined a jax.distributed run (cleanrl_utils.devices starts it)."""
-    return _process["distributed"]
-
-
-def mark_distributed(started: bool):
-    _process["distributed"] = started
-
-
-def exit_process(code: int, line: str | None = None) -> NoReturn:
-    """End the process now, without the interpreter's shutdown (a jax.distributed run's exit barrier would wait for
-    peers): prints `error: {line}` first. Also called by a watchdog thread (devices.start_distributed's timeout)."""
-    if line is not None:
-        print(f"error: {line}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+from cleanrl_utils.processes import distributed_started, exit_process, outlive_peers, peer_failure_line
 
 
 def parse_flags(args_class, argv: list[str] | None = None):
@@ -77,8 +56,6 @@ def run_cli(main, args_class, argv: list[str] | None = None):
     except BaseException as error:
         line = error_line(error)
         if distributed_started():
-            from cleanrl_utils.processes import outlive_peers, peer_failure_line
-
             if isinstance(error, UsageError):  # every process finds it: each prints its line, process 0 ends last
                 print(f"error: {line}", file=sys.stderr, flush=True)
                 outlive_peers()

@@ -18,18 +18,40 @@ missed_heartbeat_callback cannot be called from Python: std::bad_cast, jax 0.10 
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NoReturn
 
 import numpy as np
 
-from cleanrl_utils.cli import distributed_started, exit_process, mark_distributed
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import computation_flags, flag
 
 _HOST_BYTES = 255  # a host name's longest length (POSIX HOST_NAME_MAX)
 _peers = {"listener": None, "addresses": []}  # this process's liveness socket; every process's (host, port)
+_process = {"distributed": False}
+
+
+def distributed_started() -> bool:
+    """Whether this process joined a jax.distributed run (`start_distributed`)."""
+    return _process["distributed"]
+
+
+def mark_distributed(started: bool):
+    _process["distributed"] = started
+
+
+def exit_process(code: int, line: str | None = None) -> NoReturn:
+    """End the process now, without the interpreter's shutdown (a jax.distributed run's exit barrier would wait for
+    peers): prints `error: {line}` first. Called by cleanrl_utils.cli.run_cli, and by a watchdog thread
+    (`start_distributed`'s timeout)."""
+    if line is not None:
+        print(f"error: {line}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def local_device_ids(args) -> list[int] | None:
