@@ -134,12 +134,13 @@ def machine() -> dict:
 
 def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int]:
     """(best, final, first step of the best window): means of the logged values whose steps lie in a window of
-    `window` env steps; the windows start at each logged step that leaves a whole window before the run's end."""
-    starts = [s for s in steps if s + window <= steps[-1]] or [steps[0]]
-    means = [values[(steps >= s) & (steps < s + window)].mean() for s in starts]
+    `window` env steps, (end - window, end], for each logged step `end` with a whole window of env steps before it
+    (end >= window; the last step where none has); the final window ends at the last logged value, so best >= final."""
+    ends = [e for e in steps if e >= window] or [steps[-1]]
+    means = [values[(steps > e - window) & (steps <= e)].mean() for e in ends]
     best = int(np.nanargmax(means))
     final = values[steps > steps[-1] - window].mean()
-    return float(means[best]), float(final), int(starts[best])
+    return float(means[best]), float(final), int(steps[steps > ends[best] - window][0])
 
 
 def env_id_of(command: str) -> str:
@@ -157,6 +158,7 @@ def run_seed(name: str, command: str, seed: int) -> dict:
         sys.exit(f"error: {name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
+    steps, _, values = read_run(run_dir, TAG)
     return {
         "algorithm": name,
         "seed": seed,
@@ -166,6 +168,7 @@ def run_seed(name: str, command: str, seed: int) -> dict:
         "wall_s": round(wall, 1),
         "last": last_update,
         "run_dir": str(run_dir),
+        "curve": [[int(step), float(value)] for step, value in zip(steps, values)],  # tables need no run folder
     }
 
 
@@ -173,7 +176,10 @@ def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
     threshold, _, window = THRESHOLDS[env_id]
     rows = []
     for _, record in sorted(records.items()):
-        steps, _, values = read_run(Path(record["run_dir"]), TAG)
+        if "curve" in record:
+            steps, values = (np.array(column) for column in zip(*record["curve"]))
+        else:  # a record from before the curves were kept: its run folder
+            steps, _, values = read_run(Path(record["run_dir"]), TAG)
         best, final, best_start = window_averages(steps, values, window)
         reached = steps[np.argmax(values >= threshold)] if (values >= threshold).any() else None
         rows.append(
