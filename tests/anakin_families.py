@@ -12,6 +12,9 @@ anakin_continuous = load_script(CONTINUOUS_ANAKIN_SCRIPT)
 TINY = "--local-num-envs 8 --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --log-frequency 1".split()
 # an env of each library jax_envs adapts
 FAMILIES = ["MiniGrid-Empty-5x5", "minatar-breakout", "Craftax-Classic-Symbolic-v1", "CartpoleBalance"]
+# an env of each script, for what the scripts do alike for every family (data parallelism, several processes): each
+# family's own code, its adapter, is checked against its library and by a resume with the envs' state bit for bit
+ONE_PER_SCRIPT = ["MiniGrid-Empty-5x5", "CartpoleBalance"]
 DIGESTS = re.compile(r"params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
 
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from anakin_families import FAMILIES, TINY, anakin, anakin_continuous, script_of
+from anakin_families import FAMILIES, ONE_PER_SCRIPT, TINY, anakin, anakin_continuous, script_of
 from conftest import (
     ANAKIN_SCRIPT,
     CONTINUOUS_ANAKIN_SCRIPT,
@@ -245,8 +245,8 @@ def run_updates(env_id: str, num_devices: int, total_envs: int, updates: int = 2
     return jax.device_get(state.agent.params), jax.device_get(state.envs), jax.device_get(metrics)
 
 
-# the quick tier keeps MiniGrid's (MinAtar's two compiles of its CNN's update took 56 s of a loaded quick tier)
-@pytest.mark.parametrize("env_id", in_process(FAMILIES, quick=("MiniGrid-Empty-5x5",)))
+# once per script (anakin_families.ONE_PER_SCRIPT); the quick tier keeps MiniGrid's (MJX's physics: tens of s)
+@pytest.mark.parametrize("env_id", in_process(ONE_PER_SCRIPT, quick=("MiniGrid-Empty-5x5",)))
 def test_one_and_two_devices_step_the_same_envs_and_make_the_same_update(env_id):
     """Data parallelism must not change the run: each env's keys are its own, so the envs' trajectories are the same
     on one and on two devices (bitwise with discrete actions; continuous actions carry the params' float sums into

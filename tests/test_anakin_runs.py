@@ -1,13 +1,13 @@
 """The Anakin PPO scripts run as processes, for an env of each family: every update logged at lag 0, SIGTERM then
-resume bit for bit (the envs included), two processes with identical params (and the layout change on resume), bad
-input across two processes, a diverged update."""
+resume bit for bit (the envs included); for an env of each script: two processes with identical params (and the
+layout change on resume); bad input across two processes, a diverged update."""
 
 import re
 import shutil
 import signal
 
 import pytest
-from anakin_families import DIGESTS, FAMILIES, TINY, final_digests, script_of
+from anakin_families import DIGESTS, FAMILIES, ONE_PER_SCRIPT, TINY, final_digests, script_of
 from conftest import (
     ANAKIN_SCRIPT,
     finish_processes,
@@ -79,7 +79,7 @@ def test_sigterm_then_resume_ends_bit_for_bit_as_the_uninterrupted_run(seeded_ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("env_id", FAMILIES)
+@pytest.mark.parametrize("env_id", ONE_PER_SCRIPT)
 def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, env_id):
     """Two hosts whose working directories differ (each its own runs/ folder), with one --checkpoint-dir both see;
     for MiniGrid, their checkpoint resumes in one process on two learner devices (the layout change
