@@ -18,13 +18,31 @@
 #                   examples/minatar-ppo/train.py, run with benchmark/pgx_stand_ins) beside the Anakin PPO as it is and
 #                   with haiku's initializers, on Breakout at 20M steps, seeds PGX_SEEDS (0-7) and OURS_SEEDS (1-8),
 #                   all sharing the GPU (benchmark/pgx_minatar_check.py; the example needs dm-haiku installed)
+#   (g) ceiling-sweep not in the default list: lscpu and nvidia-smi into the results folder, then envpool
+#                   SWEEP_ENV_ID (Breakout-v5) alone, stepped synchronously with random actions
+#                   (benchmark/env_ceiling.py, one process), every combination of SWEEP_POOLS (2 4 8) pools x
+#                   SWEEP_ENVS (16 32 64) envs each x SWEEP_THREADS (0 4 8 16; 0: the scripts' default, cores but one
+#                   shared by the pools) envpool threads per pool, each timed for SWEEP_SECONDS (4) s: 36 x 4 s plus
+#                   each one's env creation and 100 untimed steps, sized for about 5 minutes (not yet measured)
+#   (h) breakout10m not in the default list: one part of the PPO Breakout-v5 run at CleanRL's 10M steps
+#                   (BREAKOUT10M_FLAGS), on GPU 0 (a0-l0), that fits one command on a lent GPU
+#                   (benchmark/train_in_parts.py): resumes the previous part's pack PART_IN (none: a fresh run), trains
+#                   for PART_SECONDS (480) of wall time, stops it with SIGTERM (the script checkpoints, exits 143),
+#                   packs runs/breakout10m (newest checkpoint, TensorBoard events, console logs) into
+#                   breakout10m_part{k}.tar.gz (pieces .00, .01, ... if over 15 MiB); PART_SCRIPT replaces the
+#                   script's path (the CPU test injects slow checkpoints through it)
 #
 # usage (repository root, on a machine with an NVIDIA GPU):
 #   bash benchmark/gpu.sh [results folder] [sections...]
 #   default: benchmark/results, all of: ceiling throughput curve minatar jax-ceiling
+#   the 10M run, one command per part: bash benchmark/gpu.sh OUT breakout10m, then, with the previous part's pack
+#   copied into the working tree (PART_IN: its path, or the stem of its pieces),
+#   PART_IN=benchmark/results/breakout10m_part1.tar.gz bash benchmark/gpu.sh OUT breakout10m
 # PY picks the interpreter (default: uv with the CUDA extra). Results: gpu_env_ceiling.jsonl, gpu_throughput.jsonl
 # (one JSON line per config, markdown table printed), gpu_curve.txt, gpu_minatar_ppo.jsonl and .png,
-# gpu_jax_env_ceiling.jsonl, gpu_anakin_minatar_sps.txt; the runs stay in runs/.
+# gpu_jax_env_ceiling.jsonl, gpu_anakin_minatar_sps.txt, gpu_env_ceiling_sweep.jsonl with lscpu.txt and
+# nvidia_smi.txt, breakout10m_parts.jsonl (one JSON line per part) with each part's breakout10m_part{k}.log and pack;
+# the runs stay in runs/.
 set -uo pipefail
 out=${1:-benchmark/results}
 shift || true
@@ -42,6 +60,12 @@ export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/cleanba-jax-c
 status=0
 step() { echo "== $*"; "$@" || { echo "!! failed ($?): $*"; status=1; }; }
 GPU0="--actor-device-ids 0 --learner-device-ids 0"
+# the 10M-step Breakout run (the issue's target: CleanRL's PPO reaches 430 +- 8 at 10M steps): the script's defaults,
+# a fixed run name and seed (every part continues one run), a checkpoint every 10 updates (164k steps) so that a
+# part killed past its grace time loses little, the console every update
+BREAKOUT10M_FLAGS=${BREAKOUT10M_FLAGS:-"--env-id Breakout-v5 $GPU0 --total-timesteps 10000000 --seed 1 \
+  --run-name breakout10m --exp-name breakout10m --log-frequency 1 --checkpoint-frequency 10 --checkpoint-keep 2"}
+repo=$(cd "$(dirname "$0")/.." && pwd)  # the sections below run from any folder (their runs/ is the current one's)
 
 for section in $sections; do
   case $section in
@@ -96,7 +120,28 @@ for section in $sections; do
       --results "$out/gpu_pgx_minatar_check.jsonl" --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} \
       --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
     ;;
-  *) echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check)" >&2; exit 2 ;;
+  ceiling-sweep)
+    { lscpu || echo "lscpu failed"; } >"$out/lscpu.txt" 2>&1
+    { nvidia-smi || echo "nvidia-smi failed (no NVIDIA GPU?)"; } >"$out/nvidia_smi.txt" 2>&1
+    # shellcheck disable=SC2086
+    step $PY "$repo/benchmark/env_ceiling.py" --env-id "${SWEEP_ENV_ID:-Breakout-v5}" --pools ${SWEEP_POOLS:-2 4 8} \
+      --num-envs ${SWEEP_ENVS:-16 32 64} --envpool-threads ${SWEEP_THREADS:-0 4 8 16} --seconds "${SWEEP_SECONDS:-4}" \
+      --json "$out/gpu_env_ceiling_sweep.jsonl"
+    ;;
+  breakout10m)
+    # shellcheck disable=SC2086
+    $PY "$repo/benchmark/train_in_parts.py" --out "$out" --name breakout10m --seconds "${PART_SECONDS:-480}" \
+      ${PART_IN:+--part-in "$PART_IN"} -- ${PART_SCRIPT:-"$repo/cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py"} \
+      $BREAKOUT10M_FLAGS
+    code=$?
+    [ "$code" -ne 2 ] || exit 2  # a missing or unreadable PART_IN: one error line, nothing started
+    [ "$code" -eq 0 ] || { echo "!! breakout10m part failed ($code)"; status=1; }
+    ;;
+  *)
+    echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check" \
+      "ceiling-sweep breakout10m)" >&2
+    exit 2
+    ;;
   esac
 done
 exit $status

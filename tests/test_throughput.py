@@ -1,12 +1,17 @@
-"""benchmark/throughput.py: every stage is measured on the script's own functions and the table adds up."""
+"""benchmark/throughput.py: every stage is measured on the script's own functions and the table adds up; the
+environment ceiling and benchmark/gpu.sh's sections, on the CPU with tiny settings."""
 
+import itertools
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
-from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, script_env
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, read_scalars, script_env
 
 TINY_CARTPOLE = (
     "--env-id CartPole-v1 --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
@@ -114,6 +119,26 @@ def test_env_ceiling_steps_every_pool_and_writes_json(workdir):
     assert f"{result['sps']:,.0f} env steps/s" in completed.stdout
 
 
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--pools", "2", "0"], "error: --pools must be positive (got [2, 0])"),
+        (["--envpool-threads", "-1"], "error: --envpool-threads must be non-negative (got [-1])"),
+        (["--seconds", "-1"], "error: --seconds must be non-negative and finite (got -1.0)"),
+    ],
+)
+def test_env_ceiling_refuses_a_bad_flag_in_one_line(flags, error, workdir):
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "env_ceiling.py"), *flags],
+        cwd=workdir,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (completed.returncode, completed.stderr.strip()) == (2, error)
+
+
 def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
     completed = subprocess.run(
         ["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "curves"],
@@ -125,7 +150,8 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
     )
     assert completed.returncode == 2
     assert completed.stderr.strip() == (
-        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check)"
+        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check "
+        "ceiling-sweep breakout10m)"
     )
 
 
@@ -140,3 +166,140 @@ def test_gpu_benchmarks_pgx_check_without_pgxs_example_is_one_line(workdir):
     )
     assert completed.returncode == 2
     assert completed.stderr.strip() == "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py"
+
+
+def gpu_sh(workdir, sections: list[str], env: dict, out: str = "out", timeout: float = 120):
+    """`bash benchmark/gpu.sh OUT SECTIONS...` run in `workdir` (its runs/ folder), the interpreter this one."""
+    return subprocess.run(
+        ["bash", str(REPO / "benchmark" / "gpu.sh"), out, *sections],
+        cwd=workdir,
+        env={**script_env(), "PY": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_gpu_benchmarks_ceiling_sweep_measures_every_combination(workdir):
+    sweep = {"SWEEP_POOLS": "1 2", "SWEEP_ENVS": "4", "SWEEP_THREADS": "0 1", "SWEEP_SECONDS": "0.2"}
+    completed = gpu_sh(workdir, ["ceiling-sweep"], {"SWEEP_ENV_ID": "CartPole-v1", **sweep})
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
+    results = [json.loads(line) for line in (workdir / "out" / "gpu_env_ceiling_sweep.jsonl").read_text().splitlines()]
+    cores = os.cpu_count()
+    default_threads = {1: max(1, (cores - 1) // 1), 2: max(1, (cores - 1) // 2)}  # the scripts' split of the cores
+    expected = [(pools, 4, threads or default_threads[pools]) for pools, threads in itertools.product([1, 2], [0, 1])]
+    assert [(r["pools"], r["num_envs"], r["envpool_threads"]) for r in results] == expected
+    for result in results:
+        assert result["env_id"] == "CartPole-v1" and result["seconds"] >= 0.2 and result["steps"] > 0
+        assert result["sps"] == pytest.approx(result["pools"] * 4 * result["steps"] / result["seconds"])
+    assert "CPU(s)" in (workdir / "out" / "lscpu.txt").read_text()
+    assert (workdir / "out" / "nvidia_smi.txt").read_text()  # the GPU's table, or why there is none
+
+
+TINY_PARTS_RUN = f"{' '.join(TINY_CARTPOLE)} --total-timesteps 1920 --run-name tiny --checkpoint-frequency 1"
+
+
+@pytest.mark.parametrize(
+    "settings, error",
+    [
+        ({"PART_SECONDS": "0"}, "error: --seconds must be positive and finite (got 0.0)"),
+        ({"PART_SECONDS": "8m"}, "error: argument --seconds: invalid float value: '8m'"),
+        (
+            {"BREAKOUT10M_FLAGS": " ".join(TINY_CARTPOLE)},
+            "error: the script's flags (after --) must give --run-name: the parts continue one run folder",
+        ),
+    ],
+    ids=["zero budget", "not a number", "no run name"],
+)
+def test_gpu_benchmarks_breakout10m_refuses_bad_settings_in_one_line(settings, error, workdir):
+    completed = gpu_sh(workdir, ["breakout10m"], {"BREAKOUT10M_FLAGS": TINY_PARTS_RUN, **settings})
+    assert (completed.returncode, completed.stderr.strip()) == (2, error), completed.stdout
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize("pack", ["missing", "not a pack", "no checkpoint"])
+def test_gpu_benchmarks_breakout10m_refuses_a_bad_part_in_in_one_line(pack, workdir):
+    part_in = workdir / "part1.tar.gz"
+    if pack == "not a pack":
+        part_in.write_text("not a tar file")
+    elif pack == "no checkpoint":  # a part stopped before its first checkpoint: events, no state
+        (workdir / "runs" / "tiny").mkdir(parents=True)
+        (workdir / "runs" / "tiny" / "events.out.tfevents.1").write_bytes(b"")
+        with tarfile.open(part_in, "w:gz") as tar:
+            tar.add(workdir / "runs" / "tiny", arcname="runs/tiny")
+        shutil.rmtree(workdir / "runs")
+    completed = gpu_sh(workdir, ["breakout10m"], {"PART_IN": str(part_in), "BREAKOUT10M_FLAGS": TINY_PARTS_RUN})
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    reason = {"missing": "no such file", "not a pack": "not a pack of a part", "no checkpoint": "holds no checkpoint"}
+    assert re.fullmatch(rf"error: --part-in {part_in}: {reason[pack]}.*", completed.stderr.strip())
+    assert not (workdir / "runs").exists() and not any((workdir / "out").iterdir())  # nothing started
+
+
+def test_a_large_pack_is_split_into_pieces_that_unpack_as_one(workdir, monkeypatch):
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from train_in_parts import pack_run, read_pack
+
+    run_dir = workdir / "runs" / "big"
+    for update in [4, 5]:
+        (run_dir / "checkpoints" / str(update)).mkdir(parents=True)
+        (run_dir / "checkpoints" / str(update) / "state").write_bytes(os.urandom(50_000))  # incompressible
+    (run_dir / ".lock").write_text("process 1")
+    pieces = pack_run(run_dir, workdir / "big.tar.gz", max_bytes=20_000)
+    assert [piece.name for piece in pieces] == ["big.tar.gz.00", "big.tar.gz.01", "big.tar.gz.02"]
+    assert all(piece.stat().st_size <= 20_000 for piece in pieces)
+    names = read_pack(workdir / "big.tar.gz", "big").getnames()
+    # the newest checkpoint only (the next part resumes it), and no lock of a process that has ended
+    assert sorted(names) == [
+        "runs/big",
+        "runs/big/checkpoints",
+        "runs/big/checkpoints/5",
+        "runs/big/checkpoints/5/state",
+    ]
+    with pytest.raises(Exception, match="outside runs/other/"):
+        read_pack(workdir / "big.tar.gz", "other")
+
+
+SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=\d+ (params sha256=[0-9a-f]{64})")
+RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=\d+ (params sha256=[0-9a-f]{64})")
+
+
+@pytest.mark.slow
+def test_gpu_benchmarks_breakout10m_trains_in_parts_carried_to_another_folder(tmp_path_factory):
+    """Part 1 is stopped by SIGTERM after its budget; its pack, moved to another folder (the GPU machine's next call
+    starts from a fresh copy), is resumed there by part 2, which finishes the run. Every checkpoint takes 1 s more
+    (tests/fault_injection.py), so part 1 cannot finish its 30 updates within its 30 s on any machine."""
+    slow = f"{REPO / 'tests' / 'fault_injection.py'} {PPO_SCRIPT} slow-checkpoint 1"
+    env = {"BREAKOUT10M_FLAGS": f"{TINY_PARTS_RUN} --log-frequency 1", "PART_SCRIPT": slow}
+    first, second = tmp_path_factory.mktemp("part1"), tmp_path_factory.mktemp("part2")
+    part1 = gpu_sh(first, ["breakout10m"], {**env, "PART_SECONDS": "30"}, timeout=300)
+    assert part1.returncode == 0, part1.stdout[-3000:] + part1.stderr[-3000:]
+    (result1,) = [json.loads(line) for line in (first / "out" / "breakout10m_parts.jsonl").read_text().splitlines()]
+    assert result1["pack"] == ["breakout10m_part1.tar.gz"]
+    (second / "results").mkdir()
+    shutil.move(first / "out" / "breakout10m_part1.tar.gz", second / "results")
+    shutil.rmtree(first / "runs")  # nothing of part 1 is left but its pack
+    part_in = {"PART_IN": "results/breakout10m_part1.tar.gz", "PART_SECONDS": "300"}
+    part2 = gpu_sh(second, ["breakout10m"], {**env, **part_in}, timeout=400)
+    assert part2.returncode == 0, part2.stdout[-3000:] + part2.stderr[-3000:]
+    (result2,) = [json.loads(line) for line in (second / "out" / "breakout10m_parts.jsonl").read_text().splitlines()]
+
+    stopped_at = result1["end_update"]
+    assert (result1["part"], result1["exit_code"], result1["finished"], result1["start_update"]) == (1, 143, False, 0)
+    assert 1 <= stopped_at < 30 and result1["end_global_step"] == 64 * stopped_at
+    assert (result2["part"], result2["exit_code"], result2["finished"]) == (2, 0, True)
+    assert (result2["start_update"], result2["start_global_step"]) == (stopped_at, 64 * stopped_at)
+    assert (result2["end_update"], result2["end_global_step"], result2["num_updates"]) == (30, 1920, 30)
+    for result in [result1, result2]:
+        assert result["wall_seconds"] > 0 and result["sps_wall"] > 0 and result["sps_logged"] > 0
+        assert result["peak_gpu_memory_mib"] is None  # no nvidia-smi here
+    # part 2 resumed the very state part 1 saved last, bit for bit, read from the moved pack
+    part1_log = (first / "out" / "breakout10m_part1.log").read_text()
+    saved = dict(SAVED.findall(part1_log))
+    assert RESUMED.findall(part2.stdout) == [(str(stopped_at), saved[str(stopped_at)])]
+    assert result1["end_state"] == saved[str(stopped_at)]
+    # the run's history travelled with it: every update's scalars once, both parts' logs and lines
+    run_dir = second / "runs" / "tiny"
+    assert [step for step, _ in read_scalars(run_dir)["charts/SPS"]] == [64 * u for u in range(1, 31)]
+    assert sorted(p.name for p in run_dir.glob("part*.log")) == ["part1.log", "part2.log"]
+    assert [json.loads(line)["part"] for line in (run_dir / "parts.jsonl").read_text().splitlines()] == [1, 2]
