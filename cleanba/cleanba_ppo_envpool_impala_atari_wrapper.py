@@ -95,14 +95,14 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     hiddens: list[int] = field(default_factory=lambda: [256])
     """the hidden layers after the IMPALA CNN (IMPALA: one of 256), or of the MLP for vector observations (positive)"""
     network: Literal["impala", "nature"] = "impala"
-    """the torso for image observations: impala (the IMPALA CNN of --channels and --hiddens) or nature (the Nature
-    DQN CNN of Mnih et al. 2015, as in CleanRL's PPO on Atari: 3 convolutions and a dense layer of 512)"""
+    """the torso for image observations: impala (the IMPALA CNN of --channels and --hiddens) or nature (the
+    Nature DQN CNN of Mnih et al. 2015, as in CleanRL's PPO on Atari)"""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
-    """the dtype of the image torso's activations (bfloat16: faster convolutions on GPUs); params, optimizer state,
-    the policy and value heads and the losses stay float32"""
+    """the dtype of the image torso's activations (bfloat16: faster convolutions on GPUs); params, optimizer
+    state, heads and losses stay float32"""
     sync_minibatches: RunSetting[bool] = False
-    """the learner waits for each minibatch step to finish before dispatching the next, so that actor inference on
-    the same GPU runs between the steps instead of queuing behind the whole update (the same results)"""
+    """the learner waits for each minibatch step to finish before dispatching the next, so that actor inference
+    on the same GPU runs between the steps instead of behind the whole update (the same results)"""
 
 
 def validate_args(args: Args):
