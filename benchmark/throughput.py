@@ -11,12 +11,16 @@ and prints samples/s for each (median of the repeats, and the spread min..max), 
 learner on separate accelerators the stages can overlap: then min(...) of the three rates is the ceiling, also
 printed (on a CPU the fake devices share the same cores, so the serial ceiling is the one that applies).
 The full run also reports peak RSS (the script's `stats/peak_rss_mib`) at update 10 and at its last update.
+`--stages learner` measures the learner alone (on one rollout of the script's actor): its samples/s and microseconds
+per sample of the batch (PPO: all its epochs), e.g. for each `--network` and `--compute-dtype` of the Atari scripts.
 
 usage (from the repository root):
   uv run python benchmark/throughput.py --script cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py \\
       -- --env-id CartPole-v1 --local-num-envs 8 --num-actor-threads 1 --hiddens 64 64 \\
          --actor-device-ids 0 --learner-device-ids 1
   add --json FILE to append the results as one JSON line (benchmark/throughput.sh collects them).
+  uv run python benchmark/throughput.py --stages learner -- --env-id Breakout-v5 --network nature \\
+      --compute-dtype bfloat16
 """
 
 import dataclasses
@@ -31,6 +35,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
@@ -57,6 +62,8 @@ class HarnessArgs:
     """updates per full run (>= 200 to check the growth of peak RSS from update 10 to 200)"""
     warmup_updates: int = 3
     """updates of each full run left out of its steady-state SPS (compilation happens there)"""
+    stages: Literal["all", "learner"] = "all"
+    """all: every stage, then the full script; learner: the learner alone, on one rollout of the script's actor"""
     json: Path | None = None
     """append the results as one JSON line to this file"""
     summarize: Path | None = None
@@ -92,6 +99,7 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     actor_device, learner_devices, mesh = layout.actor_devices[0], layout.learner_devices, layout.mesh
     num_envs, num_steps = args.local_num_envs, args.num_steps
     rollout_samples = num_envs * num_steps * harness.stage_rollouts
+    every_stage = harness.stages == "all"  # else the learner alone
     results = {}
 
     # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
@@ -109,7 +117,8 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
             obs, *_ = envs.step(random_actions[step % num_steps])
             observations.append(obs)
 
-    results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
+    if every_stage:
+        results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
 
     # inference: the actor's per-step call, as `actor_loop` makes it
     agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
@@ -123,7 +132,8 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
             *outputs, key = actor_fns.act(params, obs, key)
             jax.device_get(outputs)
 
-    results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
+    if every_stage:
+        results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
 
     # actor: the script's own actor thread function for stage_rollouts rollouts, the learner replaced by queues
     def run_actor(rollouts: int):
@@ -154,11 +164,12 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
 
     stored_rollout = run_actor(1)[0]  # also compiles
     actor_rates = []
-    for _ in range(harness.repeats):
+    for _ in range(harness.repeats if every_stage else 0):
         start = time.perf_counter()
         run_actor(harness.stage_rollouts)
         actor_rates.append(rollout_samples / (time.perf_counter() - start))
-    results["actor"] = spread(actor_rates)
+    if every_stage:
+        results["actor"] = spread(actor_rates)
 
     # learner: one update of the global batch (every actor thread's rollout: here copies of the stored one)
     args.num_updates = 10**6
@@ -241,7 +252,10 @@ def print_table(results: dict, platform: str, separate_devices: bool):
         ("learner", "learner (one update)"),
         ("actor", "actor thread alone"),
     ]:
-        row(label, results[name])
+        if name in results:
+            row(label, results[name])
+    if "full" not in results:  # --stages learner
+        return
     ceiling = results["serial_ceiling"]
     print(f"{'serial ceiling':<28}{ceiling:>12,.0f}{1e6 / ceiling:>12,.1f}   1/(t_env + t_inference + t_learner)")
     row(
@@ -265,33 +279,38 @@ def print_table(results: dict, platform: str, separate_devices: bool):
 
 
 def summarize(path: Path, baseline: Path | None):
-    """One markdown row per measured config: samples/s of each stage, ceiling, full run, fraction, peak RSS."""
+    """One markdown row per measured config: samples/s of each stage, the learner's microseconds per sample, ceiling,
+    full run, fraction, peak RSS ("-" where a config measured the learner alone: --stages learner)."""
     load = lambda file: [json.loads(line) for line in file.read_text().splitlines()]
     key = lambda r: (r["script"], tuple(r["args"]))
     before = {key(r): r for r in load(baseline)} if baseline else {}
     print(
-        "| script | config | env | inference | learner | serial ceiling | full | of ceiling |"
+        "| script | config | env | inference | learner | learner us/sample | serial ceiling | full | of ceiling |"
         + (" before: full, of ceiling |" if baseline else "")
         + " peak RSS (MiB) |"
     )
-    print("|-" * (9 + bool(baseline)) + "|")
+    print("|-" * (10 + bool(baseline)) + "|")
     for r in load(path):
         config = " ".join(r["args"])
         for flag in ["--actor-device-ids 0 ", "--learner-device-ids 1 ", "--learner-device-ids 1"]:
             config = config.replace(flag, "")
-        rates = " | ".join(f"{r[stage]['median']:,.0f}" for stage in ["env", "inference", "learner"])
+        rates = " | ".join(
+            f"{r[stage]['median']:,.0f}" if stage in r else "-" for stage in ["env", "inference", "learner"]
+        )
+        learner = f"{1e6 / r['learner']['median']:,.1f}"
         old = before.get(key(r))
         old = (
             f" {old['full']['median']:,.0f}, {old['fraction_of_serial_ceiling']:.0%} |"
-            if old
-            else " |" * bool(baseline)
+            if old and "full" in old
+            else " - |" * bool(baseline)
         )
-        print(
-            f"| {r['script'].removeprefix('cleanba_').split('_envpool')[0]} | `{config.strip()}` | {rates} | "
-            f"{r['serial_ceiling']:,.0f} | "
-            f"{r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |{old} "
-            f"{r['full']['peak_rss_mib_last']:,.0f} |"
-        )
+        if "full" in r:
+            full = f"{r['serial_ceiling']:,.0f} | {r['full']['median']:,.0f} | {r['fraction_of_serial_ceiling']:.0%} |"
+            rss = f"{r['full']['peak_rss_mib_last']:,.0f}"
+        else:
+            full, rss = "- | - | - |", "-"
+        name = r["script"].removeprefix("cleanba_").split("_envpool")[0]
+        print(f"| {name} | `{config.strip()}` | {rates} | {learner} | {full}{old} {rss} |")
 
 
 def main():
@@ -307,7 +326,8 @@ def main():
 
 
 def measure(harness: HarnessArgs, module, script_args: list[str], args):
-    """Every stage, then the full script, for one config of one script (in this process: one process's layout)."""
+    """Every stage, then the full script (or the learner alone), for one config of one script (in this process: one
+    process's layout)."""
     module.validate_args(args)
     layout = device_layout(args)  # starts JAX's backend, with the host devices the ids need
     import jax
@@ -322,11 +342,12 @@ def measure(harness: HarnessArgs, module, script_args: list[str], args):
         f"batch {args.batch_size} samples/update"
     )
     results = measure_stages(module, args, layout, harness)
-    results["full"] = measure_full_run(harness, script_args, args.batch_size)
-    rates = [results[name]["median"] for name in ["env", "inference", "learner"]]
-    results["serial_ceiling"] = 1 / sum(1 / rate for rate in rates)
-    results["overlapped_ceiling"] = min(rates)
-    results["fraction_of_serial_ceiling"] = results["full"]["median"] / results["serial_ceiling"]
+    if harness.stages == "all":
+        results["full"] = measure_full_run(harness, script_args, args.batch_size)
+        rates = [results[name]["median"] for name in ["env", "inference", "learner"]]
+        results["serial_ceiling"] = 1 / sum(1 / rate for rate in rates)
+        results["overlapped_ceiling"] = min(rates)
+        results["fraction_of_serial_ceiling"] = results["full"]["median"] / results["serial_ceiling"]
     separate_devices = not set(args.actor_device_ids) & set(args.learner_device_ids)
     print_table(results, jax.local_devices()[0].platform, separate_devices)
     if harness.json:

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 # before numpy loads OpenBLAS: envpool's VizDoom forks its game processes from several threads at once, which
 # OpenBLAS's fork handler survives only with one thread (cleanrl_utils/envs.py, FORK_SAFE_ENV)
@@ -46,7 +46,7 @@ from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.flags import RunSetting, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
@@ -58,7 +58,7 @@ warnings.filterwarnings("ignore", message=".*precision lowered by casting to flo
 class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.py), then IMPALA's
     env_id: str = "Breakout-v5"
     """the id of an envpool env with discrete actions: Atari, classic control, Football, VizDoom, MiniGrid,
-    Procgen (cleanrl_utils/envs.py); images go into the IMPALA CNN, vectors and dicts (flattened) into MLPs"""
+    Procgen (cleanrl_utils/envs.py); images go into a CNN (--network), vectors and dicts (flattened) into MLPs"""
     env_options: list[str] = field(default_factory=list)
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     img_height=42 img_width=42 stack_num=1 for cheaper VizDoom frames (KEY: one of envpool's options of the id)"""
@@ -96,7 +96,16 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     channels: list[int] = field(default_factory=lambda: [16, 32, 32])
     """the channels of the IMPALA CNN's residual stacks (Espeholt et al. 2018, Fig. 3) (positive)"""
     hiddens: list[int] = field(default_factory=lambda: [256])
-    """the hidden layers after the CNN (IMPALA: one of 256), or of the MLP for vector observations (positive)"""
+    """the hidden layers after the IMPALA CNN (IMPALA: one of 256), or of the MLP for vector observations (positive)"""
+    network: Literal["impala", "nature"] = "impala"
+    """the torso for image observations: impala (the IMPALA CNN of --channels and --hiddens) or nature (the
+    Nature DQN CNN of Mnih et al. 2015, as in CleanRL's PPO on Atari)"""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """the dtype of the image torso's activations (bfloat16: faster convolutions on GPUs); params, optimizer
+    state, heads and losses stay float32"""
+    sync_minibatches: RunSetting[bool] = False
+    """the learner waits for each minibatch step to finish before dispatching the next, so that actor inference
+    on the same GPU runs between the steps instead of behind the whole update (the same results)"""
 
 
 def validate_args(args: Args):
@@ -153,46 +162,70 @@ def make_env(
 
 class ResidualBlock(nn.Module):
     channels: int
+    dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):
         inputs = x
         x = nn.relu(x)
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3), dtype=self.dtype)(x)
         x = nn.relu(x)
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3), dtype=self.dtype)(x)
         return x + inputs
 
 
 class ConvSequence(nn.Module):
     channels: int
+    dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Conv(self.channels, kernel_size=(3, 3))(x)
+        x = nn.Conv(self.channels, kernel_size=(3, 3), dtype=self.dtype)(x)
         x = nn.max_pool(x, window_shape=(3, 3), strides=(2, 2), padding="SAME")
-        x = ResidualBlock(self.channels)(x)
-        x = ResidualBlock(self.channels)(x)
+        x = ResidualBlock(self.channels, self.dtype)(x)
+        x = ResidualBlock(self.channels, self.dtype)(x)
         return x
 
 
 class ImpalaCNN(nn.Module):
-    """The IMPALA "deep" torso (Espeholt et al. 2018, Fig. 3). Observations stay uint8 until here."""
+    """The IMPALA "deep" torso (Espeholt et al. 2018, Fig. 3). Observations stay uint8 until here; activations are
+    `dtype`, params float32 (flax casts them for each layer)."""
 
     channels: Sequence[int]
     hiddens: Sequence[int]
     channel_first: bool  # Atari, VizDoom, Procgen: (N, C, H, W); Football's mini map: (N, H, W, C)
+    dtype: jnp.dtype
 
     @nn.compact
     def __call__(self, x):
-        x = (jnp.transpose(x, (0, 2, 3, 1)) if self.channel_first else x).astype(jnp.float32) / 255.0
+        x = (jnp.transpose(x, (0, 2, 3, 1)) if self.channel_first else x).astype(self.dtype) / 255.0
         for channels in self.channels:
-            x = ConvSequence(channels)(x)
+            x = ConvSequence(channels, self.dtype)(x)
         x = nn.relu(x)
         x = x.reshape((x.shape[0], -1))
         for hidden in self.hiddens:
-            x = nn.relu(nn.Dense(hidden)(x))
+            x = nn.relu(nn.Dense(hidden, dtype=self.dtype)(x))
         return x
+
+
+class NatureCNN(nn.Module):
+    """The Nature DQN torso (Mnih et al. 2015, Methods: 32 8x8 filters stride 4, 64 4x4 stride 2, 64 3x3 stride 1,
+    a dense layer of 512, all ReLU), initialized as CleanRL's ppo_atari: orthogonal with gain sqrt(2), biases 0."""
+
+    channel_first: bool  # as ImpalaCNN's
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        x = (jnp.transpose(x, (0, 2, 3, 1)) if self.channel_first else x).astype(self.dtype) / 255.0
+        init = nn.initializers.orthogonal(np.sqrt(2))
+        for features, size, stride in [(32, 8, 4), (64, 4, 2), (64, 3, 1)]:
+            conv = nn.Conv(
+                features, (size, size), (stride, stride), padding="VALID", kernel_init=init, dtype=self.dtype
+            )
+            x = nn.relu(conv(x))
+        x = x.reshape((x.shape[0], -1))
+        return nn.relu(nn.Dense(512, kernel_init=init, dtype=self.dtype)(x))
 
 
 class MLP(nn.Module):
@@ -209,7 +242,7 @@ class MLP(nn.Module):
 
 
 class Agent(nn.Module):
-    """Policy logits and value. Atari shares the IMPALA torso between both heads (Espeholt et al. 2018);
+    """Policy logits and value. Images share one CNN torso (--network) between both heads (Espeholt et al. 2018);
     vector observations get separate actor and critic MLPs, as in CleanRL's classic-control PPO: with a
     shared small MLP, large value gradients (returns of ~100s) drown the policy gradient."""
 
@@ -217,11 +250,18 @@ class Agent(nn.Module):
     channels: Sequence[int]
     hiddens: Sequence[int]
     obs_layout: str  # cleanrl_utils.envs.obs_layout: "chw" or "hwc" images, or "vector"
+    network: str = "impala"  # the image torso: "impala" or "nature"
+    compute_dtype: str = "float32"  # the image torso's activations
 
     @nn.compact
     def __call__(self, obs):
         if self.obs_layout != "vector":
-            actor_hidden = critic_hidden = ImpalaCNN(self.channels, self.hiddens, self.obs_layout == "chw")(obs)
+            channel_first, dtype = self.obs_layout == "chw", jnp.dtype(self.compute_dtype)
+            if self.network == "nature":
+                torso = NatureCNN(channel_first, dtype)
+            else:
+                torso = ImpalaCNN(self.channels, self.hiddens, channel_first, dtype)
+            actor_hidden = critic_hidden = torso(obs).astype(jnp.float32)  # the heads and losses in float32
         else:
             actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
@@ -230,10 +270,16 @@ class Agent(nn.Module):
         return logits, value.squeeze(-1)
 
 
+def agent_of(args: Args, action_dim: int) -> Agent:
+    """The network of the flags (what make_agent trains and make_eval_policy loads) for --env-id's actions."""
+    layout = obs_layout(args.env_id)
+    return Agent(action_dim, tuple(args.channels), tuple(args.hiddens), layout, args.network, args.compute_dtype)
+
+
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
     obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
+    agent = agent_of(args, int(action_space.n))
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x minibatches (IMPALA paper, Table G.1)
@@ -479,6 +525,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         metrics = []
         for index in range(args.num_minibatches):
             agent_state, minibatch_metrics = minibatch_update(agent_state, storage, permutation, jnp.int32(index))
+            if args.sync_minibatches:  # one learner program queued at a time: inference gets between
+                jax.block_until_ready(agent_state)
             metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
@@ -502,7 +550,7 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
     obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = Agent(int(action_space.n), tuple(args.channels), tuple(args.hiddens), obs_layout(args.env_id))
+    agent = agent_of(args, int(action_space.n))
     params = jax.tree.map(jnp.asarray, model["params"])
 
     @jax.jit

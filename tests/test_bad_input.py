@@ -49,6 +49,8 @@ CASES = {
     "negative entropy coefficient": (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
     "gamma above one": (["--gamma", "1.5"], "--gamma must be in [0, 1]"),
     "zero channels": (["--channels", "16", "0"], "--channels must be one or more positive integers"),
+    "unknown network": (["--network", "resnet"], "invalid choice 'resnet' for argument '--network'"),
+    "half precision": (["--compute-dtype", "float16"], "invalid choice 'float16' for argument '--compute-dtype'"),
     "video without a saved model": (
         ["--capture-video"],
         "--capture-video works on the model saved at the end of training: add --save-model",

@@ -79,10 +79,11 @@ def test_sigterm_checkpoints_and_exits_then_the_same_command_resumes(workdir):
         assert abs(learning_rate - 2.5e-4 * (1 - (update - 1) / 12)) < 1e-9, (update, learning_rate)
     assert checkpoint_steps(workdir, "run") == [12] or checkpoint_steps(workdir, "run")[-1] == 12
 
-    # a resumed run is reproducible: resuming again from the same checkpoint ends with the same params
+    # a resumed run is reproducible: resuming again from the same checkpoint ends with the same params, also with a
+    # RunSetting changed: the learner waiting for each minibatch step (--sync-minibatches) computes the same
     shutil.rmtree(workdir / "runs" / "run" / "checkpoints")
     shutil.copytree(kept, workdir / "runs" / "run" / "checkpoints")
-    again = run_script([*CARTPOLE, "--resume"], workdir, "run")
+    again = run_script([*CARTPOLE, "--resume", "--sync-minibatches"], workdir, "run")
     assert again.returncode == 0, again.stderr
     assert FINAL.search(again.stdout).group(1) == FINAL.search(resumed.stdout).group(1)
 

@@ -1,6 +1,8 @@
 """The IMPALA script: its V-trace loss against a NumPy re-implementation, its data-parallel learner, learning,
 reproducibility, bad input."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,11 +104,12 @@ def test_vtrace_loss_matches_numpy_with_episode_ends(c_bar):
     np.testing.assert_allclose([float(x) for x in ours], expected, rtol=2e-4, atol=1e-5)
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices():
+def test_learner_update_is_the_same_on_one_and_on_two_devices(monkeypatch):
     """Data parallelism must not change the math: the same global rollout, the default flags but one minibatch, gives
     the same params.
     IMPALA's learner turns shard_map's checks off (check_vma=False), so nothing but this test checks that each
-    device's gradient is summed over the devices exactly once; several minibatches on two devices update too."""
+    device's gradient is summed over the devices exactly once; several minibatches on two devices update too, bit for
+    bit the same with --sync-minibatches, which waits for each minibatch step."""
     import optax
     from flax.training.train_state import TrainState
     from jax.sharding import Mesh, NamedSharding
@@ -129,7 +132,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     agent = impala.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
-    def update(num_devices, num_minibatches=1):
+    def update(num_devices, num_minibatches=1, sync_minibatches=False):
         args = impala.Args(
             env_id="CartPole-v1",
             num_steps=T,
@@ -137,6 +140,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
             num_actor_threads=1,
             learner_device_ids=list(range(num_devices)),
             num_minibatches=num_minibatches,
+            sync_minibatches=sync_minibatches,
         )  # the default flags but one minibatch (each learner device shuffles its own trajectories)
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
@@ -161,7 +165,13 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
     one_device = update(1)
     same(one_device, update(2))
+    waits = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(x) or x)
     several = update(2, num_minibatches=2)
+    assert waits == []
+    synced = update(2, num_minibatches=2, sync_minibatches=True)
+    assert len(waits) == 2  # minibatches
+    jax.tree.map(np.testing.assert_array_equal, synced, several)  # bit for bit
     # it did update, by far more than the tolerance: a gradient summed twice, or not summed, would show
     for updated in (one_device, several):
         change = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(updated[0]), jax.tree.leaves(params)))
@@ -192,12 +202,16 @@ def test_readme_cartpole_command_reaches_400(workdir):
 
 @pytest.mark.slow
 def test_same_seed_same_run(workdir):
+    """The same seed, the same run, also when the learner waits for each minibatch step (--sync-minibatches)."""
     flags = [*CARTPOLE, "--num-actor-threads", "2", "--total-timesteps", "9600", "--seed", "3"]
-    first, second = (run_script(flags, workdir, name, script=IMPALA_SCRIPT) for name in ["first", "second"])
+    first = run_script(flags, workdir, "first", script=IMPALA_SCRIPT)
+    second = run_script([*flags, "--sync-minibatches"], workdir, "second", script=IMPALA_SCRIPT)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     a, b = first.scalars(), second.scalars()
     for tag in ["losses/loss", "losses/policy_loss", "losses/value_loss", "charts/avg_episodic_return"]:
         assert a[tag] == b[tag], tag
+    final = re.compile(r"final params sha256=([0-9a-f]{64})")
+    assert final.search(first.stdout).group(1) == final.search(second.stdout).group(1)
 
 
 @pytest.mark.parametrize(

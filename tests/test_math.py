@@ -186,10 +186,11 @@ def test_advantages_are_normalized_with_the_whole_minibatch_on_any_number_of_dev
     np.testing.assert_allclose(np.asarray(jax.jit(normalize)(advantages, valid))[valid], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_learner_update_is_the_same_on_one_and_on_two_devices():
+def test_learner_update_is_the_same_on_one_and_on_two_devices(monkeypatch):
     """Data parallelism must not change the math: with the default flags (advantages normalized over the whole
     minibatch, 4 epochs) and one minibatch, the same global batch gives the same params on one and on two devices;
-    several minibatches on two devices update the params too."""
+    several minibatches on two devices update the params too, bit for bit the same with --sync-minibatches, which
+    waits for each of the epochs x minibatches steps."""
     import optax
     from flax.training.train_state import TrainState
     from jax.sharding import Mesh, NamedSharding
@@ -212,7 +213,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     agent = ppo.Agent(action_dim=2, channels=(4,), hiddens=(8,), obs_layout="vector")
     params = jax.device_get(agent.init(jax.random.key(0), storage.obs[0]))
 
-    def update(num_devices, num_minibatches=1):
+    def update(num_devices, num_minibatches=1, sync_minibatches=False):
         # the default flags (advantages normalized, 4 epochs) but one minibatch: each learner device shuffles its own
         # samples, so several minibatches hold other samples on other layouts
         args = ppo.Args(
@@ -222,6 +223,7 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
             num_actor_threads=1,
             learner_device_ids=list(range(num_devices)),
             num_minibatches=num_minibatches,
+            sync_minibatches=sync_minibatches,
         )
         mesh = Mesh(np.array(jax.devices()[:num_devices]), ("batch",))
         # the script's optimizer shape (its learning rate is logged from the injected hyperparameters)
@@ -238,6 +240,51 @@ def test_learner_update_is_the_same_on_one_and_on_two_devices():
     same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), a, b)
     one_device = update(1)
     same(one_device, update(2))
+    waits = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(x) or x)
     several = update(2, num_minibatches=2)
+    assert waits == []
+    synced = update(2, num_minibatches=2, sync_minibatches=True)
+    assert len(waits) == 4 * 2  # epochs x minibatches
+    jax.tree.map(np.testing.assert_array_equal, synced, several)  # bit for bit
     for updated in (one_device, several):  # it did update
         assert not np.allclose(jax.tree.leaves(updated[0])[0], jax.tree.leaves(params)[0])
+
+
+@pytest.mark.parametrize("script", ["ppo", "impala"])
+def test_nature_cnn_is_the_published_network(script):
+    """--network nature on Atari's 84x84x4 frames is the Nature DQN torso (Mnih et al. 2015, Methods) with CleanRL's
+    init (orthogonal, gain sqrt(2), biases 0): sizes counted by hand from the paper. With --compute-dtype bfloat16
+    either torso computes in bfloat16 while params, the heads' outputs and so the losses stay float32."""
+    from conftest import IMPALA_SCRIPT
+
+    module = ppo if script == "ppo" else load_script(IMPALA_SCRIPT)
+    obs = np.random.default_rng(0).integers(0, 256, size=(2, 4, 84, 84), dtype=np.uint8)
+    nature = lambda compute_dtype: module.Agent(4, (16, 32, 32), (256,), "chw", "nature", compute_dtype)
+    impala_cnn = lambda compute_dtype: module.Agent(4, (4,), (16,), "chw", "impala", compute_dtype)
+    params = nature("bfloat16").init(jax.random.key(0), obs)  # Breakout: 4 actions
+    # 84 -> (84 - 8) / 4 + 1 = 20 -> (20 - 4) / 2 + 1 = 9 -> 9 - 3 + 1 = 7: 7 x 7 x 64 = 3136 features into 512
+    kernels = [(8, 8, 4, 32), (4, 4, 32, 64), (3, 3, 64, 64), (3136, 512), (512, 4), (512, 1)]
+    leaves = jax.tree.leaves(params)
+    assert sorted(leaf.shape for leaf in leaves if leaf.ndim > 1) == sorted(kernels)
+    by_hand = (8 * 8 * 4 * 32 + 32) + (4 * 4 * 32 * 64 + 64) + (3 * 3 * 64 * 64 + 64) + (3136 * 512 + 512)
+    by_hand += (512 * 4 + 4) + (512 + 1)  # the policy and value heads
+    assert sum(leaf.size for leaf in leaves) == by_hand == 1_686_693
+    torso = params["params"]["NatureCNN_0"]
+    for name in ["Conv_0", "Conv_1", "Conv_2", "Dense_0"]:
+        kernel = np.asarray(torso[name]["kernel"]).reshape(-1, torso[name]["kernel"].shape[-1])  # (fan in, out)
+        np.testing.assert_allclose(kernel.T @ kernel, 2 * np.eye(kernel.shape[1]), atol=1e-4)  # orthogonal x sqrt(2)
+        assert not np.any(torso[name]["bias"])
+    impala_params = impala_cnn("bfloat16").init(jax.random.key(0), obs)
+    for agent, agent_params, torso_name in [
+        (nature, params, "NatureCNN_0"),
+        (impala_cnn, impala_params, "ImpalaCNN_0"),
+    ]:
+        assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(agent_params))
+        for compute_dtype in ["float32", "bfloat16"]:
+            outputs, captured = agent(compute_dtype).apply(
+                agent_params, obs, capture_intermediates=True, mutable=["intermediates"]
+            )
+            assert [x.shape for x in outputs] == [(2, 4), (2,)]  # logits and value
+            assert all(x.dtype == jnp.float32 for x in outputs)
+            assert captured["intermediates"][torso_name]["__call__"][0].dtype == jnp.dtype(compute_dtype)

@@ -113,10 +113,16 @@ def test_episode_statistics_count_whole_games_with_unclipped_scores(workdir):
 
 @pytest.mark.slow
 def test_save_model_and_track_offline(workdir):
-    # one evaluation game (Breakout: whole games, all lives) keeps the test short
+    """A run that saves its model, evaluates it and tracks to W&B offline; with the Nature CNN in bfloat16, whose
+    saved flags the evaluation reads to rebuild the network. One evaluation game (Breakout: whole games, all lives)
+    keeps the test short."""
     run = run_script(
         [
             *TINY_BREAKOUT_PPO,
+            "--network",
+            "nature",
+            "--compute-dtype",
+            "bfloat16",
             "--num-actor-threads",
             "1",
             "--total-timesteps",
@@ -133,9 +139,13 @@ def test_save_model_and_track_offline(workdir):
     assert run.returncode == 0, run.stderr
     model = flax.serialization.msgpack_restore((run.run_dir / "tiny.cleanrl_model").read_bytes())
     saved_args = json.loads(model["args"])
-    assert saved_args["channels"] == [4] and saved_args["env_id"] == "Breakout-v5"
+    assert saved_args["env_id"] == "Breakout-v5"
+    assert (saved_args["network"], saved_args["compute_dtype"]) == ("nature", "bfloat16")
     kernels = [np.asarray(leaf) for leaf in flax.traverse_util.flatten_dict(model["params"]).values()]
-    assert sum(k.size for k in kernels) > 0 and all(np.all(np.isfinite(k)) for k in kernels)
+    assert (8, 8, 4, 32) in [k.shape for k in kernels]  # the Nature CNN's first convolution on 4 stacked frames
+    assert all(k.dtype == np.float32 and np.all(np.isfinite(k)) for k in kernels)
+    losses = [value for _, value in run.scalars()["losses/loss"]]
+    assert len(losses) == 2 and np.all(np.isfinite(losses))  # it trained: 2 updates of 4 envs x 8 steps
     assert list((workdir / "wandb").glob("offline-run-*")), "no offline W&B run written"
     assert model["script"] == "cleanba_ppo_envpool_impala_atari_wrapper"
     assert len(run.scalars()["eval/episodic_return"]) == 1

@@ -11,7 +11,7 @@ import sys
 import tarfile
 
 import pytest
-from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, read_scalars, script_env
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, TINY_BREAKOUT, read_scalars, script_env
 
 TINY_CARTPOLE = (
     "--env-id CartPole-v1 --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
@@ -19,38 +19,28 @@ TINY_CARTPOLE = (
 ).split()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
-def test_stage_table_and_json(script, workdir):
-    results_file = workdir / "results.jsonl"
-    completed = subprocess.run(
-        # the script as a relative path, as users give it (the full runs start in a temporary folder)
-        [
-            sys.executable,
-            str(REPO / "benchmark" / "throughput.py"),
-            "--script",
-            os.path.relpath(script, workdir),
-            "--repeats",
-            "2",
-            "--stage-rollouts",
-            "1",
-            "--full-repeats",
-            "1",
-            "--full-updates",
-            "12",
-            "--warmup-updates",
-            "2",
-            "--json",
-            str(results_file),
-            "--",
-            *TINY_CARTPOLE,
-        ],
+def throughput(harness_flags: list[str], script_flags: list[str], workdir) -> subprocess.CompletedProcess:
+    """benchmark/throughput.py as a user runs it, from `workdir`."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "throughput.py"), *harness_flags, "--", *script_flags],
         cwd=workdir,
         env=script_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT], ids=["ppo", "impala"])
+def test_stage_table_and_json(script, workdir):
+    """Every stage and the full run of a CartPole config; then the learner alone (--stages learner) of the Nature CNN
+    in bfloat16 on Breakout, and the markdown table of both with the learner's microseconds per sample."""
+    results_file = workdir / "results.jsonl"
+    # the script as a relative path, as users give it (the full runs start in a temporary folder)
+    harness = ["--script", os.path.relpath(script, workdir), "--repeats", "2", "--stage-rollouts", "1"]
+    full = ["--full-repeats", "1", "--full-updates", "12", "--warmup-updates", "2", "--json", str(results_file)]
+    completed = throughput([*harness, *full], TINY_CARTPOLE, workdir)
     assert completed.returncode == 0, completed.stderr
     for row in [
         "env (random actions)",
@@ -75,16 +65,29 @@ def test_stage_table_and_json(script, workdir):
     assert results["fraction_of_serial_ceiling"] == pytest.approx(rates["full"] / results["serial_ceiling"])
     assert 0 < results["full"]["peak_rss_mib_update_10"] <= results["full"]["peak_rss_mib_last"]
 
+    learner_alone = throughput(
+        [*harness, "--stages", "learner", "--json", str(results_file)],
+        [*TINY_BREAKOUT, "--network", "nature", "--compute-dtype", "bfloat16", "--num-actor-threads", "1"],
+        workdir,
+    )
+    assert learner_alone.returncode == 0, learner_alone.stderr
+    assert "learner (one update)" in learner_alone.stdout and "env (random actions)" not in learner_alone.stdout
+    learner = json.loads(results_file.read_text().splitlines()[1])
+    assert learner.keys() == {"script", "args", "learner"} and learner["learner"]["n"] == 2
+    table = throughput(["--summarize", str(results_file)], [], workdir)
+    assert table.returncode == 0, table.stderr
+    header, _, *rows = table.stdout.splitlines()
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    cartpole, breakout = (dict(zip(columns, (cell.strip() for cell in row.strip("|").split("|")))) for row in rows)
+    assert cartpole["learner us/sample"] == f"{1e6 / results['learner']['median']:,.1f}"
+    assert cartpole["full"] == f"{results['full']['median']:,.0f}"
+    assert breakout["learner us/sample"] == f"{1e6 / learner['learner']['median']:,.1f}"
+    assert "--network nature --compute-dtype bfloat16" in breakout["config"]
+    assert {breakout[column] for column in ["env", "inference", "full", "peak RSS (MiB)"]} == {"-"}
+
 
 def test_bad_script_flags_fail_with_the_scripts_message(workdir):
-    completed = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "throughput.py"), "--", *TINY_CARTPOLE, "--num-minibatches", "3"],
-        cwd=workdir,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = throughput([], [*TINY_CARTPOLE, "--num-minibatches", "3"], workdir)
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines()[-1].startswith("error: --num-minibatches")
 
