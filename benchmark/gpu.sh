@@ -31,6 +31,12 @@
 #                   packs runs/breakout10m (newest checkpoint, TensorBoard events, console logs) into
 #                   breakout10m_part{k}.tar.gz (pieces .00, .01, ... if over 15 MiB); PART_SCRIPT replaces the
 #                   script's path (the CPU test injects slow checkpoints through it)
+#   (i) learner     not in the default list: the learner alone (benchmark/throughput.py --stages learner), its
+#                   microseconds per sample for each --network (impala nature) x --compute-dtype (float32 bfloat16),
+#                   LEARNER_ALGORITHMS (ppo impala) on Breakout-v5 with the defaults, a0-l0; gpu_learner.jsonl
+#   (j) sync        not in the default list: the full script's steady SPS without and with --sync-minibatches (the
+#                   learner waits for each minibatch step, so pending actor inference runs between them), one right
+#                   after the other, LEARNER_ALGORITHMS on Breakout-v5, a0-l0; gpu_sync.jsonl
 #
 # usage (repository root, on a machine with an NVIDIA GPU):
 #   bash benchmark/gpu.sh [results folder] [sections...]
@@ -137,9 +143,31 @@ for section in $sections; do
     [ "$code" -ne 2 ] || exit 2  # a missing or unreadable PART_IN: one error line, nothing started
     [ "$code" -eq 0 ] || { echo "!! breakout10m part failed ($code)"; status=1; }
     ;;
+  learner)
+    for algorithm in ${LEARNER_ALGORITHMS:-ppo impala}; do
+      for network in impala nature; do
+        for dtype in float32 bfloat16; do
+          step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
+            --stages learner --repeats 3 --stage-rollouts 1 --json "$out/gpu_learner.jsonl" \
+            -- --env-id Breakout-v5 $GPU0 --network $network --compute-dtype $dtype
+        done
+      done
+    done
+    step $PY benchmark/throughput.py --summarize "$out/gpu_learner.jsonl"
+    ;;
+  sync)
+    for algorithm in ${LEARNER_ALGORITHMS:-ppo impala}; do
+      for sync in --no-sync-minibatches --sync-minibatches; do
+        step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
+          --json "$out/gpu_sync.jsonl" --repeats 1 --stage-rollouts 1 --full-repeats 1 --full-updates 15 \
+          -- --env-id Breakout-v5 $GPU0 $sync
+      done
+    done
+    step $PY benchmark/throughput.py --summarize "$out/gpu_sync.jsonl"
+    ;;
   *)
     echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check" \
-      "ceiling-sweep breakout10m)" >&2
+      "ceiling-sweep breakout10m learner sync)" >&2
     exit 2
     ;;
   esac
