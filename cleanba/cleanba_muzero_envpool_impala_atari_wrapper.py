@@ -58,6 +58,7 @@ from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layou
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
@@ -676,6 +677,9 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
             in_specs=(replicated, replay_specs, rollout_specs, replicated),
             out_specs=(replicated, replay_specs, replicated),
         )(agent_state, replay, storage, key)
+
+    # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
+    update_step = checked_for_memory(update_step, "lower --minibatch-size or --unroll-steps")
 
     def update(state: LearnerState, storage: Rollout, train: bool) -> tuple[LearnerState, dict]:
         agent_state, key, replay = state

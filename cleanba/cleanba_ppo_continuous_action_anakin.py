@@ -43,6 +43,7 @@ from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env
+from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.normalization import (
     RunningMeanStd,
     batch_running_stats,
@@ -501,7 +502,9 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     update = jax.shard_map(
         update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
     )
-    return jax.jit(update, donate_argnums=(0,))
+    # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
+    lower_memory = "raise --num-minibatches, or lower --local-num-envs or --num-steps"
+    return checked_for_memory(jax.jit(update, donate_argnums=(0,)), lower_memory)
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy

@@ -46,6 +46,7 @@ from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layou
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import RunSetting, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -552,6 +553,9 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
     minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
     minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
+    # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
+    lower_memory = "raise --num-minibatches, or lower --local-num-envs or --num-steps"
+    minibatch_update = checked_for_memory(minibatch_update, lower_memory)
     shuffle = jax.jit(shard_map(shuffle, in_specs=(replicated,), out_specs=sharded_steps))
 
     def update(state: LearnerState, storage: Rollout) -> tuple[LearnerState, dict]:

@@ -61,6 +61,7 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import RecurrentPolicy
 from cleanrl_utils.flags import INT32_MAX, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
+from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
@@ -666,6 +667,9 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
             in_specs=(replicated, replay_specs, rollout_specs, replicated),
             out_specs=(replicated, replay_specs, replicated),
         )(agent_state, replay, storage, key)
+
+    # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
+    update_step = checked_for_memory(update_step, "lower --minibatch-size or --sequence-length")
 
     def update(state: LearnerState, storage: Rollout, train: bool) -> tuple[LearnerState, dict]:
         agent_state, key, replay = state

@@ -30,6 +30,7 @@ from conftest import (
     finish_processes,
     load_script,
     read_scalars,
+    run_script,
     script_command,
     script_env,
     start_processes,
@@ -337,6 +338,30 @@ def test_divergence_stops_with_one_line_after_checkpointing_the_last_finite_stat
     assert "loss=nan" in errors[0] and "the last finite state is checkpoint 0" in errors[0]
     assert "checkpoint saved: update=0 " in out and "Traceback" not in err
     assert not list((tmp_path / "runs" / "run").glob("*.cleanrl_model"))  # never a non-finite model
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+def test_an_update_larger_than_the_host_stops_with_one_line_before_it_runs(tmp_path):
+    """SAC's learner update on 2**20-sample minibatches of a 65,536-unit layer: about 3 TiB of buffers, more than any
+    test host has. Its first call stops the run (cleanrl_utils/memory.py): the actor thread stopped, no traceback, no
+    checkpoint, no digests (what would be the kernel's OOM killer, no message at all, without the check)."""
+    flags = (
+        "--env-id Pendulum-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 65536 "
+        "--minibatch-size 1048576 --buffer-size 1048576 --learning-starts 0 --replay-ratio 0.03125 "
+        "--checkpoint-frequency 1"
+    ).split()
+    run = run_script(flags, tmp_path, script=SAC_SCRIPT, timeout=180)
+    assert run.returncode == 2, run.stderr
+    assert error_lines(run.stderr) == [
+        "error: the learner's update needs 3,072.1 GiB of memory, more than the "
+        + re.search(r"more than the ([\d,.]+) GiB", run.stderr).group(1)
+        + " GiB this host can give it (90% of its available memory): lower --minibatch-size"
+    ], run.stderr
+    assert "Traceback" not in run.stderr and "final params" not in run.stdout
+    assert list((run.run_dir / "checkpoints").iterdir()) == []  # not even update 1's: no update ran
 
 
 # ---------------------------------------------------------------- two processes

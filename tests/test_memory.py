@@ -1,0 +1,117 @@
+"""The memory check of a compiled learner program (cleanrl_utils/memory.py): its arithmetic on fake devices, what it
+reads from the host, and the wrapper on real programs (one larger than any host). A whole run stopped by it:
+tests/test_reliability.py."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cleanrl_utils.errors import UsageError
+from cleanrl_utils.memory import (
+    HOST_SHARE,
+    OutOfDeviceMemory,
+    cgroup_available_bytes,
+    checked_for_memory,
+    host_available_bytes,
+    meminfo_available_bytes,
+    program_need_bytes,
+    shortfall,
+)
+
+GIB = 2**30
+
+
+class FakeDevice:
+    """A device as JAX shows one: its platform and, on a GPU, its allocator's statistics."""
+
+    def __init__(self, platform: str, stats: dict | None = None, index: int = 0):
+        self.platform, self.stats, self.index = platform, stats, index
+
+    def memory_stats(self):
+        return self.stats
+
+    def __str__(self):
+        return f"cuda:{self.index}"
+
+
+def test_the_need_is_temporaries_and_new_outputs_and_code_not_arguments():
+    stats = SimpleNamespace(
+        temp_size_in_bytes=5 * GIB,
+        output_size_in_bytes=3 * GIB,
+        alias_size_in_bytes=2 * GIB,  # outputs written into donated arguments' buffers
+        generated_code_size_in_bytes=1024,
+        argument_size_in_bytes=100 * GIB,  # on the device already
+    )
+    assert program_need_bytes(stats) == 6 * GIB + 1024
+
+
+def test_what_a_gpu_has_free_is_its_limit_less_what_is_in_use():
+    gpu = FakeDevice("gpu", {"bytes_limit": 4 * GIB, "bytes_in_use": 2 * GIB, "peak_bytes_in_use": 3 * GIB})
+    assert shortfall(3 * GIB, [gpu], host_free=lambda: None) == (3 * GIB, 2 * GIB, "free on cuda:0")
+    assert shortfall(2 * GIB, [gpu], host_free=lambda: None) is None
+    two = [FakeDevice("gpu", {"bytes_limit": 8 * GIB}), FakeDevice("gpu", {"bytes_limit": 2 * GIB}, index=1)]
+    assert shortfall(3 * GIB, two, host_free=lambda: None) == (3 * GIB, 2 * GIB, "free on cuda:1")  # the tighter
+    assert shortfall(10**15, [FakeDevice("tpu", None)], host_free=lambda: None) is None  # a device that does not say
+
+
+def test_the_cpu_devices_of_a_process_share_a_share_of_the_hosts_available_memory():
+    cpus = [FakeDevice("cpu", index=i) for i in range(3)]
+    host = lambda: 10 * GIB  # noqa: E731
+    usable = int(10 * GIB * HOST_SHARE)
+    assert shortfall(4 * GIB, cpus[:2], host) is None  # 8 GiB of 9
+    assert shortfall(12 * GIB, cpus[:1], host) == (
+        12 * GIB,
+        usable,
+        "this host can give it (90% of its available memory)",
+    )
+    assert shortfall(4 * GIB, cpus, host) == (
+        12 * GIB,
+        usable,
+        "this host can give it (90% of its available memory, shared by 3 CPU devices)",
+    )
+    assert shortfall(10**15, cpus, host_free=lambda: None) is None  # nothing known: no check
+
+
+def test_the_hosts_available_memory_from_proc_meminfo_and_the_cgroup():
+    meminfo = "MemTotal:       24684092 kB\nMemFree:        20509760 kB\nMemAvailable:   21718448 kB\n"
+    assert meminfo_available_bytes(meminfo) == 21718448 * 1024
+    assert meminfo_available_bytes("MemTotal:       24684092 kB\n") is None  # kernels before 3.14
+    assert cgroup_available_bytes("8589934592\n", "1073741824\n") == 7 * GIB
+    assert cgroup_available_bytes("max\n", "1073741824\n") is None  # unlimited
+    with open("/proc/meminfo") as file:
+        total = int(file.read().split("MemTotal:")[1].split()[0]) * 1024
+    assert 0 < host_available_bytes() <= total
+
+
+def test_the_checked_program_is_the_jitted_one_compiled_once_with_its_donation():
+    traces = []
+
+    def double_and_total(x, y):
+        traces.append(x.shape)
+        return x * 2, (x @ y).sum()
+
+    jitted = jax.jit(double_and_total, donate_argnums=(0,))
+    checked = checked_for_memory(jitted, "lower --nothing")
+    x, y = jnp.arange(16.0).reshape(4, 4), jnp.ones((4, 4))
+    expected = (np.arange(16.0).reshape(4, 4) * 2, (np.arange(16.0).reshape(4, 4) @ np.ones((4, 4))).sum())
+    doubled, total = checked(x, y)
+    np.testing.assert_array_equal(doubled, expected[0])
+    assert float(total) == expected[1]
+    assert x.is_deleted()  # the donated argument: the wrapper keeps jit's donation
+    checked(jnp.ones((4, 4)), y)
+    assert len(traces) == 1 and jitted._cache_size() == 1  # the check's compile is the one jit runs
+
+
+def test_a_program_larger_than_the_host_stops_before_it_runs():
+    def huge(x):  # a sort of 2**38 float32s: a 1 TiB temporary (a sort cannot be fused away)
+        return jnp.sort(jnp.broadcast_to(x, (2**18, 2**20)), axis=0)[0]
+
+    checked = checked_for_memory(jax.jit(huge), "lower --huge", name="the huge program")
+    with pytest.raises(OutOfDeviceMemory) as error_info:
+        checked(jnp.ones(2**20))
+    assert isinstance(error_info.value, UsageError)  # one `error:` line, exit code 2
+    assert str(error_info.value).startswith("the huge program needs 1,024.0 GiB of memory, more than the ")
+    assert str(error_info.value).endswith(" GiB this host can give it (90% of its available memory): lower --huge")
