@@ -786,7 +786,11 @@ def main(args: Args) -> int:
         run.start_actor(actor, thread, params_queue=params_queue, rollout_queue=rollout_queue)
 
     run.broadcast(params_queues, actor_params(state.agent), version=run.start_update)
-    with run.supervise():  # an actor's failure is raised here; SIGTERM / Ctrl-C end the loop after an update
+    # SIGTERM or Ctrl-C (cleanrl_utils/preemption.py): alone, the process stops its actors at once; with several, the
+    # processes first agree on an update boundary. Either way the update in flight is finished and logged, the loop
+    # ends, `run.finish` checkpoints that update and the run exits 143 (130 for Ctrl-C): the same command resumes it.
+    # An actor's failure is raised by `run.supervise()`, with its traceback.
+    with run.supervise():
         for update in run.updates():
             outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)

@@ -576,7 +576,10 @@ def main(args: Args) -> int:
     state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
 
     # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
-    with run.supervise():  # SIGTERM / Ctrl-C end the loop after an update
+    # SIGTERM or Ctrl-C (cleanrl_utils/preemption.py): the update in flight is finished and logged (with several
+    # processes, up to the update boundary they agree on), the loop ends, `run.finish` checkpoints that update and the
+    # run exits 143 (130 for Ctrl-C): the same command resumes it.
+    with run.supervise():
         for update in run.updates():
             before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
             state, metrics = learner_update(state)
