@@ -3,8 +3,8 @@
 #
 #   (a) ceiling     envpool Breakout-v5 alone with random actions on all cores (benchmark/env_ceiling.py): 2 pools x
 #                   64 envs (Cleanba's 2 actor threads) and 1 pool x 128 envs
-#   (b) throughput  PPO and IMPALA on Breakout-v5, default IMPALA CNN and Cleanba's default sizes (2 actor threads x
-#                   64 envs, PPO 128 steps, IMPALA 20 steps), actor and learner on GPU 0 (a0-l0): the stages alone
+#   (b) throughput  PPO and IMPALA on Breakout-v5, default IMPALA CNN and the default sizes (2 actor threads x
+#                   60 envs PPO, 64 IMPALA; 128 / 20 steps), actor and learner on GPU 0 (a0-l0): the stages alone
 #                   and the script's steady SPS (benchmark/throughput.py), peak GPU memory
 #   (c) curve       PPO Breakout-v5 with the defaults for CURVE_SECONDS (600) of wall time, stopped with SIGTERM (the
 #                   script checkpoints and exits 143), then static/gpu_breakout_ppo.png against a random policy

@@ -44,7 +44,7 @@ from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.flags import SebulbaArgs, check_envs_split, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.normalization import (
@@ -115,14 +115,10 @@ def validate_args(args: Args):
     )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=False, env_options=args.env_options)
-    if args.local_num_envs % len(args.learner_device_ids) != 0:
-        raise UsageError(
-            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
-            f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them"
-        )
-    envs_per_learner_device = (
-        len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs // len(args.learner_device_ids)
-    )
+    threads, learners = len(args.actor_device_ids) * args.num_actor_threads, len(args.learner_device_ids)
+    # the env counts the split's error suggests give whole minibatches too
+    check_envs_split(args, lambda envs: args.num_steps * threads * envs // learners % args.num_minibatches == 0)
+    envs_per_learner_device = threads * args.local_num_envs // learners
     if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
         raise UsageError(
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "

@@ -44,7 +44,14 @@ from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import RunSetting, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.flags import (
+    RunSetting,
+    SebulbaArgs,
+    check_envs_split,
+    check_flags,
+    check_int32_counts,
+    check_run_flags,
+)
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.run import SebulbaRun
@@ -65,8 +72,9 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     """total timesteps of the experiments (agent steps, summed over all envs and processes) (in [1, 2**53])"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer (PPO paper, Table 5) (positive, finite)"""
-    local_num_envs: int = 64
-    """the number of parallel game environments of each actor thread (positive)"""
+    local_num_envs: int = 60
+    """the number of parallel game environments of each actor thread (60 as in Cleanba's early scripts: 1, 2, 3, 4
+    and 6 learner devices, its README's layouts, divide it; docs/usage.md#device-layouts) (positive)"""
     num_steps: int = 128
     """the number of steps of each rollout (PPO paper, Table 5: horizon 128) (positive)"""
     anneal_lr: bool = True
@@ -119,14 +127,10 @@ def validate_args(args: Args):
     )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
-    if args.local_num_envs % len(args.learner_device_ids) != 0:
-        raise UsageError(
-            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
-            f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them"
-        )
-    envs_per_learner_device = (
-        len(args.actor_device_ids) * args.num_actor_threads * args.local_num_envs // len(args.learner_device_ids)
-    )
+    threads, learners = len(args.actor_device_ids) * args.num_actor_threads, len(args.learner_device_ids)
+    # the env counts the split's error suggests give whole minibatches too
+    check_envs_split(args, lambda envs: args.num_steps * threads * envs // learners % args.num_minibatches == 0)
+    envs_per_learner_device = threads * args.local_num_envs // learners
     if (args.num_steps * envs_per_learner_device) % args.num_minibatches != 0:
         raise UsageError(
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "

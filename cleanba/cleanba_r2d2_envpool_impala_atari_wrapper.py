@@ -62,7 +62,12 @@ from cleanrl_utils.evals.evaluate import RecurrentPolicy
 from cleanrl_utils.flags import INT32_MAX, SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.memory import checked_for_memory
-from cleanrl_utils.replay import check_minibatch_split, check_replay_fits, gradient_steps_per_update
+from cleanrl_utils.replay import (
+    check_minibatch_split,
+    check_replay_envs_split,
+    check_replay_fits,
+    gradient_steps_per_update,
+)
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
@@ -164,11 +169,7 @@ def validate_args(args: Args):
             f"--num-steps ({args.num_steps}) must be a multiple of --sequence-length / 2 ({length // 2}) and at "
             f"least --sequence-length ({length})"
         )
-    if args.local_num_envs % len(args.learner_device_ids) != 0:
-        raise UsageError(
-            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of "
-            f"--learner-device-ids ({len(args.learner_device_ids)}): each actor thread splits its envs over them"
-        )
+    check_replay_envs_split(args)  # each actor thread splits its envs over the learner devices
     check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
 
 

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
@@ -140,6 +141,34 @@ def check_run_flags(args):
         raise UsageError("--coordinator-address and --num-processes go together (or neither, to auto-detect Slurm)")
     if args.process_id is not None and args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
         raise UsageError(f"--process-id must be in [0, {args.num_processes}), got {args.process_id}")
+
+
+def nearest_that_work(value: int, multiple: int, works: Callable[[int], bool] = lambda value: True) -> list[int]:
+    """The multiples of `multiple` nearest to `value`, one below it and one above (within 1024 multiples each way),
+    for which `works` holds: what an error suggests instead of `value`."""
+    below = range((value - 1) // multiple * multiple, 0, -multiple)
+    above = range((value // multiple + 1) * multiple, value + 1025 * multiple, multiple)
+    found = [next((candidate for candidate in candidates if works(candidate)), None) for candidates in (below, above)]
+    return [candidate for candidate in found if candidate is not None]
+
+
+def suggestion(values: list[int]) -> str:
+    """`nearest_that_work`'s values as the end of an error line (nothing when there are none)."""
+    return f" (the nearest that work with the other flags: {' or '.join(map(str, values))})" if values else ""
+
+
+def check_envs_split(args, works: Callable[[int], bool] = lambda envs: True):
+    """Each actor thread sends each of its process's learner devices an equal share of its envs: --local-num-envs
+    must be a multiple of the number of --learner-device-ids. The error names the nearest env counts that split and
+    for which `works(envs)` holds: the script's other checks of the env count (whole minibatches, whole gradient
+    steps), with the other flags as given."""
+    learners = len(args.learner_device_ids)
+    if args.local_num_envs % learners != 0:
+        raise UsageError(
+            f"--local-num-envs ({args.local_num_envs}) must be divisible by the number of --learner-device-ids "
+            f"({learners}): each actor thread splits its envs over them"
+            + suggestion(nearest_that_work(args.local_num_envs, learners, works))
+        )
 
 
 def check_int32_counts(args, counts: dict[str, tuple[str, int]]):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import INT32_MAX
+from cleanrl_utils.flags import INT32_MAX, check_envs_split, nearest_that_work, suggestion
 
 GIB = 2**30
 
@@ -87,16 +87,28 @@ def check_replay_fits(buffer_size: int, init, item, learner_devices: list, new_r
         )
 
 
+def whole_gradient_steps(replay_ratio: float, batch_size: int) -> bool:
+    """Whether --replay-ratio x env steps per update is a positive whole number of gradient steps."""
+    gradient_steps = replay_ratio * batch_size
+    return round(gradient_steps) >= 1 and abs(gradient_steps - round(gradient_steps)) <= 1e-6
+
+
+def check_replay_envs_split(args):
+    """`check_envs_split` for a replay script: the env counts its error suggests give a whole number of gradient
+    steps per update too (with one process, so with any number of processes)."""
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    check_envs_split(args, lambda envs: whole_gradient_steps(args.replay_ratio, threads * envs * args.num_steps))
+
+
 def gradient_steps_per_update(replay_ratio: float, batch_size: int) -> int:
     """--replay-ratio x env steps per update, a positive whole number (a UsageError otherwise): the gradient steps of
     an update, the same on any layout with the same global batch, so a seed reproduces a run."""
-    gradient_steps = replay_ratio * batch_size
-    if round(gradient_steps) < 1 or abs(gradient_steps - round(gradient_steps)) > 1e-6:
+    if not whole_gradient_steps(replay_ratio, batch_size):
         raise UsageError(
             f"--replay-ratio ({replay_ratio}) x env steps per update ({batch_size}) must be a positive whole number "
             "of gradient steps"
         )
-    return round(gradient_steps)
+    return round(replay_ratio * batch_size)
 
 
 def check_minibatch_split(minibatch_size: int, num_learner_devices: int):
@@ -105,4 +117,5 @@ def check_minibatch_split(minibatch_size: int, num_learner_devices: int):
         raise UsageError(
             f"--minibatch-size ({minibatch_size}) must be divisible by the number of learner devices of all "
             f"processes ({num_learner_devices}): each samples its share"
+            + suggestion(nearest_that_work(minibatch_size, num_learner_devices))
         )

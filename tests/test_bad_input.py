@@ -1,16 +1,32 @@
 """Bad input: a one-line error naming the flag and what is allowed, exit code 2, before any heavy work."""
 
+import functools
 import re
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import MUZERO_SCRIPT, PPO_SCRIPT, R2D2_SCRIPT, SAC_SCRIPT, one_error_line, run_script
+from conftest import (
+    IMPALA_SCRIPT,
+    MUJOCO_SCRIPT,
+    MUZERO_SCRIPT,
+    ONPOLICY_SCRIPT,
+    PPO_SCRIPT,
+    R2D2_SCRIPT,
+    SAC_SCRIPT,
+    load_script,
+    one_error_line,
+    run_script,
+)
 
+from cleanrl_utils import envs
+from cleanrl_utils.cli import parse_flags
+from cleanrl_utils.envs import env_spaces
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import INT32_MAX, check_int32_counts
+from cleanrl_utils.flags import INT32_MAX, check_int32_counts, derive_batch_values
 from cleanrl_utils.replay import check_replay_fits, host_memory_bytes
+from cleanrl_utils.run import SebulbaRun
 
 # tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches
 TINY_CARTPOLE = (
@@ -26,8 +42,9 @@ CASES = {
         "--num-minibatches (4) must divide",
     ),
     "envs do not split over learners": (
-        ["--local-num-envs", "3", "--learner-device-ids", "0", "1"],
-        "--local-num-envs (3) must be divisible by the number of --learner-device-ids",
+        ["--learner-device-ids", *"0 1 2 3 4 5 6".split()],  # 7 devices: the default 60 envs do not split
+        "--local-num-envs (60) must be divisible by the number of --learner-device-ids (7): each actor thread splits "
+        "its envs over them (the nearest that work with the other flags: 56 or 63)",
     ),
     "negative device id": (
         ["--actor-device-ids", "-1"],
@@ -91,8 +108,14 @@ CASES = {
 
 
 # as users meet them, in a subprocess: one case per place the checks run (before JAX starts, on the devices,
-# on the batch size); the other cases call the script's main() in this process (a subprocess costs ~6 s each)
-SUBPROCESS_CASES = ["zero envs", "device id out of range", "fewer steps than a batch"]
+# on the batch size) and an env count the learner devices do not split; the other cases call the script's main() in
+# this process (a subprocess costs ~6 s each)
+SUBPROCESS_CASES = [
+    "zero envs",
+    "envs do not split over learners",
+    "device id out of range",
+    "fewer steps than a batch",
+]
 IN_PROCESS_CASES = [name for name in CASES if name not in SUBPROCESS_CASES]
 
 
@@ -267,3 +290,80 @@ def test_replay_check_on_an_accelerator_and_on_shared_host_memory():
     ):
         check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus, new_rows=8)
     check_replay_fits(rows * 2, replay_init(rows, floats=256), None, cpus[:1], new_rows=8)  # one device: fits
+
+
+# the layouts of Cleanba's README and ours (a0-l1): learner devices per process, processes
+# (docs/usage.md#device-layouts)
+LAYOUTS = {
+    "a0-l0": ([0], 1),
+    "a0-l1": ([1], 1),
+    "a0-l0,1": ([0, 1], 1),
+    "a0-l1,2": ([1, 2], 1),
+    "a0-l1,2,3": ([1, 2, 3], 1),
+    "a0-l1,2,3,4": ([1, 2, 3, 4], 1),
+    "a0-l1,2,3,4,5,6": ([1, 2, 3, 4, 5, 6], 1),
+    "a0-l1,2,3-d2": ([1, 2, 3], 2),
+}
+SEBULBA_SCRIPTS = [
+    PPO_SCRIPT,
+    IMPALA_SCRIPT,
+    R2D2_SCRIPT,
+    MUZERO_SCRIPT,
+    MUJOCO_SCRIPT,
+    ONPOLICY_SCRIPT,
+    SAC_SCRIPT,
+]
+# the scripts whose defaults every layout splits; the others keep a published batch or minibatch that no multiple of
+# 3 learner devices splits, and the errors there name the values that work
+STARTS_WITH_THE_DEFAULTS = {PPO_SCRIPT}
+SUGGESTION = re.compile(
+    r"error: (--[\w-]+) \(\d+\) must be divisible .* \(the nearest that work with the other flags: (\d+)"
+)
+
+
+@functools.cache
+def spaces_of(env_id: str, overrides: tuple[str, ...]):
+    return env_spaces(env_id, overrides)  # the function itself, before the test replaces it
+
+
+def checks_before_training(script, flags: list[str], learner_device_ids: list[int], processes: int, monkeypatch):
+    """What a run of `script` with `flags` checks before training, in one of `processes` processes whose learner
+    devices are GPUs of 80 GiB (an H100's): the flags, the batch, the script's runtime values."""
+    module = load_script(script)
+    for reader in [envs, module]:  # each env id's spaces read once (envpool's spec of an Atari game takes ~0.5 s)
+        monkeypatch.setattr(reader, "env_spaces", lambda env_id, overrides=(): spaces_of(env_id, tuple(overrides)))
+    flags = [*flags, "--actor-device-ids", "0", "--learner-device-ids", *map(str, learner_device_ids)]
+    args = getattr(module, "with_loss_defaults", lambda args: args)(parse_flags(module.Args, flags))
+    module.validate_args(args)
+    gpu = FakeAccelerator(80 * 2**30)
+    layout = SimpleNamespace(
+        actor_devices=[gpu],
+        learner_devices=[gpu] * len(learner_device_ids),
+        global_learner_devices=[gpu] * len(learner_device_ids) * processes,
+    )
+    derive_batch_values(args, world_size=processes, local_rank=0, **SebulbaRun.env_copies(args, layout))
+    getattr(module, "check_runtime_values", getattr(module, "set_runtime_values", None))(args, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "script", SEBULBA_SCRIPTS, ids=lambda script: script.stem[len("cleanba_") :].split("_envpool")[0]
+)
+def test_each_readme_layout_starts_with_the_defaults_or_with_the_values_the_errors_name(script, layout, monkeypatch):
+    """Cleanba's README layouts, with each Sebulba script's default flags: they pass the checks a run makes before
+    training, or (a published batch that 3 devices cannot split) each error names the flag and values that pass it,
+    and with those values they pass."""
+    learner_device_ids, processes = LAYOUTS[layout]
+    flags, errors = [], []
+    for _ in range(3):
+        try:
+            checks_before_training(script, flags, learner_device_ids, processes, monkeypatch)
+            break
+        except UsageError as error:
+            errors.append(f"error: {error}")
+            match = SUGGESTION.match(errors[-1])
+            assert match, errors[-1]  # a divisibility error that names values that work
+            flags += [match.group(1), match.group(2)]
+    else:
+        pytest.fail(f"still refused after the errors' values: {errors}")
+    assert bool(errors) == (script not in STARTS_WITH_THE_DEFAULTS and len(learner_device_ids) % 3 == 0), errors

@@ -24,7 +24,14 @@ from cleanrl_utils.checkpoints import CheckpointError, Checkpoints, tree_digest
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import device_layout, replicate
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.flags import RunSetting, check_flags, computation_flags, settable_flags
+from cleanrl_utils.flags import (
+    RunSetting,
+    check_flags,
+    computation_flags,
+    nearest_that_work,
+    settable_flags,
+    suggestion,
+)
 from cleanrl_utils.logger import ACTOR_STAGES, EpisodeStats, RunLogger, StageTimer
 from cleanrl_utils.preemption import Preemption
 
@@ -88,6 +95,14 @@ def test_check_flags_names_the_flag_and_what_is_allowed():
                 Flags(**values), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"], device_id_lists=["ids"]
             )
     check_flags(Flags(), positive_ints=["n"], positive=["lr"], unit_interval=["gamma"], device_id_lists=["ids"])
+
+
+def test_an_error_suggests_the_nearest_multiples_that_work():
+    assert nearest_that_work(64, 3) == [63, 66]
+    assert nearest_that_work(2, 3) == [3]  # no positive multiple below
+    assert nearest_that_work(64, 3, lambda envs: envs % 32 == 0) == [96]  # R2D2's whole gradient steps on 3 devices
+    assert nearest_that_work(64, 3, lambda envs: False) == [] and suggestion([]) == ""
+    assert suggestion([63, 66]) == " (the nearest that work with the other flags: 63 or 66)"
 
 
 def test_run_cli_turns_a_usage_error_into_one_line_and_exit_code_2(capsys):
