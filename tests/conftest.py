@@ -354,6 +354,18 @@ def why_procgen_cannot_start() -> str | None:
     return None
 
 
+def pytest_collection_modifyitems(config, items):
+    """Learning runs beyond one per script (marked `extra_learning`: each env family's PPO run, the docs' longer
+    commands, R2D2's memory pair) are deselected unless `-m` names the marker: `pytest -m extra_learning` runs them,
+    as docs/contributing.md asks of an issue that changes an algorithm's code, beside benchmark/readme_commands.py."""
+    if "extra_learning" in (config.option.markexpr or ""):
+        return
+    extra = [item for item in items if item.get_closest_marker("extra_learning")]
+    if extra:
+        config.hook.pytest_deselected(items=extra)
+        items[:] = [item for item in items if not item.get_closest_marker("extra_learning")]
+
+
 def pytest_runtest_setup(item):
     """A test marked `procgen` needs the system Qt 5 runtime: without it, it is skipped (one summary line says why),
     unless CLEANBA_REQUIRE_QT5 is set (.ci/run installed the runtime for these tests): then it fails."""

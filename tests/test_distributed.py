@@ -72,6 +72,7 @@ def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
             assert "Traceback" not in err
 
 
+@pytest.mark.extra_learning
 def test_two_processes_learn_cartpole_with_the_global_batch_of_one(workdir):
     """The README's CartPole PPO command (8 envs in one process: tests/test_learning.py) as two processes of 4 envs,
     the same global batch, for 100k env steps: from random play (about 20 per episode at the first update) to a best

@@ -376,6 +376,7 @@ def trained_and_random_returns(
     return trained, random
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_ppo_learns_minigrid_empty_5x5(tmp_path):
     # rl-starter-files' PPO settings for MiniGrid (lr 1e-3, 4 epochs, gamma 0.99); 60k steps, ~30 s on CPU.
@@ -407,6 +408,7 @@ def test_the_readmes_mujoco_ppo_command_learns_dm_control_cartpole_balance(tmp_p
     assert trained > 800 and trained > random + 300, (trained, random)
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     # One player with the ball in front of an empty goal: "right" or "shot" from the start scores every time (1.0),
@@ -426,6 +428,7 @@ def test_ppo_learns_football_academy_empty_goal_close(tmp_path):
     assert trained > random + 0.4, (trained, random)
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     # ViZDoom's defend_the_center: monsters close in on the agent at the centre of a round room; envpool pays 1 per
@@ -446,6 +449,7 @@ def test_ppo_learns_vizdoom_defend_the_center(tmp_path):
     assert trained > random + 1.5, (trained, random)  # one and a half kills more per episode
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 @pytest.mark.procgen
 def test_ppo_learns_procgen_bigfish_on_one_level(tmp_path):

@@ -424,6 +424,7 @@ def test_every_loss_learns_inverted_pendulum(policy_loss, workdir, random_pendul
     assert best >= 20 * random_pendulum_return, f"{policy_loss}: best {best:.1f} at step {best_step}"
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_the_docs_cartpole_balance_command_reaches_800(workdir):
     """The docs page's CartpoleBalance-v1 command (PPO, 307,200 steps), read from the page and run as written (seed 1,

@@ -577,6 +577,7 @@ def masked_runs(tmp_path_factory):
         feedforward.kill()
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_memory_matters_lstm_reaches_300_on_cartpole_without_velocities(masked_runs):
     """The issue's bar: an average return of at least 300 over 20k consecutive env steps with only the cart position
@@ -587,6 +588,7 @@ def test_memory_matters_lstm_reaches_300_on_cartpole_without_velocities(masked_r
     assert best_window(returns, 20_000) >= 300, returns[::10]
 
 
+@pytest.mark.extra_learning
 @pytest.mark.slow
 def test_feedforward_core_stays_clearly_below_without_velocities(masked_runs):
     """The same script with the LSTM replaced by a feed-forward layer cannot infer the velocities: its best 20k-step
