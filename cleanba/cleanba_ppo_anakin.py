@@ -512,8 +512,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags), and of --env-id:
-    importing xminigrid or pgx starts JAX's backend (their constants are arrays), so the ids are checked once the
-    devices and jax.distributed have started, in every process."""
+    importing the JAX env libraries (xminigrid, pgx, Craftax) starts JAX's backend (their constants are arrays), so
+    the ids are checked once the devices and jax.distributed have started, in every process."""
     check_env_id(args.env_id, discrete=True)
     schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
     check_int32_counts(args, {"optimizer steps": schedule})

@@ -1,5 +1,6 @@
-"""Device layout: host devices on CPU, `jax.distributed`, the learner mesh over every process, device-id checks,
-envpool threads, and moving replicated trees between the mesh, the actor devices and the host.
+"""Device layout: host devices on CPU, the layout of a run's devices (`device_layout`: jax.distributed started by
+cleanrl_utils/processes.py, the learner mesh built by cleanrl_utils/data_path.py, the device-id checks), envpool
+threads, and moving replicated trees between the mesh, the actor devices and the host.
 
 The actor devices are local to each process; the learner devices are `--learner-device-ids` of *every* process,
 in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
