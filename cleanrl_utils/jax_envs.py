@@ -24,6 +24,7 @@ check_runtime_values, after jax.distributed has started.
 """
 
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -326,11 +327,15 @@ def env_ids(*, discrete: bool) -> list[str]:
     return minigrid + [f"minatar-{game}" for game in MINATAR_GAMES] + CRAFTAX_IDS
 
 
-def check_env_id(env_id: str, *, discrete: bool):
-    """One UsageError line naming the ids there are, with a hint for a near miss. XLand-MiniGrid's meta-RL envs sample
-    their task from a benchmark of rulesets that xminigrid downloads on first use (not part of the package), so they
-    are not offered; pgx's board games are two-player, not single-agent RL envs; Playground's locomotion and
-    manipulation envs need MuJoCo Menagerie's models, which Playground downloads on first use (not offered)."""
+def check_env_id(env_id: str, *, discrete: bool, env_options: Sequence[str] = ()):
+    """envs.check_env_id's check for the JAX env families: one UsageError line naming the ids there are, with a hint
+    for a near miss; these families take no envpool options (`env_options` must be empty). XLand-MiniGrid's meta-RL
+    envs sample their task from a benchmark of rulesets that xminigrid downloads on first use (not part of the
+    package), so they are not offered; pgx's board games are two-player, not single-agent RL envs; Playground's
+    locomotion and manipulation envs need MuJoCo Menagerie's models, which Playground downloads on first use (not
+    offered)."""
+    if env_options:
+        raise UsageError(f"--env-options {' '.join(env_options)!r}: the JAX env families take no options")
     ids = env_ids(discrete=discrete)
     if env_id in ids:
         return

@@ -418,3 +418,15 @@ def test_the_readme_continuous_command_learns_cartpole_balance_and_saves_an_eval
     trained = evaluated_return(flags, workdir, "CartpoleBalance", timeout=500)
     random = random_policy_return("CartpoleBalance", episodes=4, num_envs=4)
     assert trained > 800 and trained > random + 300, (trained, random)
+
+
+def test_the_jax_families_check_ids_as_envpools_do_and_take_no_options():
+    """One check_env_id signature for both kinds of family (cleanrl_utils.envs and cleanrl_utils.jax_envs)."""
+    import inspect
+
+    from cleanrl_utils import envs, jax_envs
+
+    assert inspect.signature(jax_envs.check_env_id) == inspect.signature(envs.check_env_id)
+    jax_envs.check_env_id("MiniGrid-Empty-5x5", discrete=True, env_options=())
+    with pytest.raises(UsageError, match=r"^--env-options 'max_steps=10': the JAX env families take no options$"):
+        jax_envs.check_env_id("MiniGrid-Empty-5x5", discrete=True, env_options=["max_steps=10"])
