@@ -8,20 +8,16 @@ different folders stop at once with one line, instead of waiting forever for eac
 """
 
 import hashlib
-import logging
 import os
 import re
 import secrets
-import sys
-import threading
 import time
-import warnings
-from contextlib import contextmanager
 
 import numpy as np
 
 from cleanrl_utils.errors import RunError, UsageError
 from cleanrl_utils.flags import flag
+from cleanrl_utils.process_stderr import drop_abandoned_io_reports, stderr_held
 
 
 class CheckpointError(UsageError):
@@ -171,89 +167,6 @@ def check_shapes(meta: dict, leaves: list, path: str):
     )
 
 
-@contextmanager
-def _stderr_held():
-    """A failed write or read fails in each of orbax's threads, and each prints its own traceback (absl logs, and
-    tensorstore callbacks that reach a closed event loop), at the C level too: what is printed to stderr during a
-    write or read is held, printed after one that succeeded and dropped after one that failed (its error is the run's
-    one line), with what the abandoned tasks report later (`_drop_abandoned_io_reports`). Held in memory, through a
-    pipe: on a full disk no file can hold it."""
-    sys.stderr.flush()
-    stderr = os.dup(2)
-    read_end, write_end = os.pipe()
-    held = bytearray()
-
-    def drain():
-        with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while chunk := pipe.read(65536):
-                held.extend(chunk)
-
-    drainer = threading.Thread(target=drain, name="stderr-held", daemon=True)
-    drainer.start()
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    succeeded = False
-    try:
-        yield
-        succeeded = True
-    finally:
-        sys.stderr.flush()
-        if succeeded:
-            os.dup2(stderr, 2)  # the pipe's last write end closes: the drainer reads to its end
-        else:  # the failed read's or write's other threads may go on printing: dropped from now on
-            _drop_abandoned_io_reports(os.dup(stderr))
-        os.close(stderr)
-        drainer.join(timeout=10)
-        if succeeded:
-            sys.stderr.write(bytes(held).decode(errors="replace"))
-            sys.stderr.flush()
-
-
-class _MainThreadOnly:
-    """sys.stderr, but what other threads write is dropped."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> int:
-        if threading.current_thread() is threading.main_thread():
-            return self.stream.write(text)
-        return len(text)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _drop_abandoned_io_reports(stderr: int | None = None):
-    """After a read or write failed (its one line says so, from the main thread): what orbax and tensorstore left
-    behind reports itself later, perhaps only as the process exits: tensorstore's callbacks into a closed event loop
-    print tracebacks from their own threads, and collected coroutines and futures print "Exception ignored in:
-    <coroutine ...>" or asyncio's "exception was never retrieved". Those reports are dropped: from here on, stderr
-    takes the main thread's writes only (file descriptor 2 itself, written by C code and at exit, goes nowhere), and the
-    unraisable reports of their coroutines are not shown."""
-    logging.getLogger("asyncio").addFilter(lambda record: "never retrieved" not in record.getMessage())
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
-    sys.stderr.flush()
-    if isinstance(sys.stderr, _MainThreadOnly):  # already: sys.stderr writes to the real stderr
-        if stderr is not None:
-            os.close(stderr)
-    else:  # sys.stderr to the real stderr (`stderr`, or a copy of descriptor 2)
-        stderr = os.dup(2) if stderr is None else stderr
-        sys.stderr = _MainThreadOnly(open(stderr, "w", buffering=1, errors="backslashreplace"))
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)  # descriptor 2, and what C code and the exit write there, to /dev/null
-    os.close(devnull)
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        code = getattr(unraisable.object, "cr_code", None) or getattr(unraisable.object, "gi_code", None)
-        if code is not None and any(name in code.co_filename for name in ("orbax", "tensorstore", "asyncio")):
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-
-
 class Checkpoints:
     def __init__(self, directory: str, *, keep: int, world_size: int):
         """The checkpoints in `directory` (as the user knows it: the messages name it), the newest `keep` kept."""
@@ -290,7 +203,7 @@ class Checkpoints:
             "learner_devices": _learner_devices(leaves),
         }
         try:
-            with _stderr_held():
+            with stderr_held():
                 try:
                     self.manager.save(
                         update,
@@ -308,7 +221,7 @@ class Checkpoints:
                 if code
                 else str(error).splitlines()[0][:200]
             )
-            _drop_abandoned_io_reports()
+            drop_abandoned_io_reports()
             last = self.manager.latest_step()
             raise RunError(
                 f"cannot write checkpoint {update} into {self.directory}: {cause}; "
@@ -337,7 +250,7 @@ class Checkpoints:
             return state, 0
         path = os.path.join(self.manager.directory, str(update))
         try:
-            with _stderr_held():  # absl's log of a damaged metadata file, orbax's threads' tracebacks
+            with stderr_held():  # absl's log of a damaged metadata file, orbax's threads' tracebacks
                 meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if meta["global_step"] != update * batch_size:
                 raise CheckpointError(
@@ -358,14 +271,14 @@ class Checkpoints:
             template = _empty_to_placeholders(jax.tree.map(lambda x: _key_template(x) if _is_key(x) else x, state))
             check_shapes(meta, jax.tree.leaves(template), path)
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-            with _stderr_held():
+            with stderr_held():
                 restored = self.manager.restore(
                     update, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
                 )
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 - any unreadable checkpoint is one line, whatever orbax raised
-            _drop_abandoned_io_reports()
+            drop_abandoned_io_reports()
             raise CheckpointError(
                 f"--resume: checkpoint {path} cannot be read ({type(error).__name__}: "
                 f"{str(error).splitlines()[0][:200] if str(error) else ''}); delete it to resume "
