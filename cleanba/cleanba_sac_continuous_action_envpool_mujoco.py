@@ -51,7 +51,7 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.memory import checked_for_memory
-from cleanrl_utils.replay import (
+from cleanrl_utils.replay_sizing import (
     check_minibatch_split,
     check_replay_envs_split,
     check_replay_fits,

@@ -125,7 +125,7 @@ def check_run_flags(args):
             "heartbeat_timeout": (1, MAX_SECONDS),
             "num_processes": (1, 65_536),
             "process_id": (0, 65_535),
-            # the replay scripts' capacity: larger sizes are refused by replay.check_replay_fits
+            # the replay scripts' capacity: larger sizes are refused by replay_sizing.check_replay_fits
             **({"buffer_size": (1, MAX_COUNT)} if hasattr(args, "buffer_size") else {}),
         },
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from cleanrl_utils.errors import UsageError
-from cleanrl_utils.files import atomic_write
+from cleanrl_utils.run_folder import atomic_write
 
 
 def repo_name(env_id: str, exp_name: str, seed: int) -> str:

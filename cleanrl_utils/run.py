@@ -39,11 +39,11 @@ from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_ge
 from cleanrl_utils.checkpoints import Checkpoints
 from cleanrl_utils.devices import copies_for_devices, device_layout, envpool_num_threads
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
-from cleanrl_utils.files import RunFolder, default_run_name
 from cleanrl_utils.flags import computation_flags, derive_batch_values, settable_flags
 from cleanrl_utils.logger import RunLogger
 from cleanrl_utils.preemption import Preemption
 from cleanrl_utils.processes import distributed_started, shutdown
+from cleanrl_utils.run_folder import RunFolder, default_run_name
 from cleanrl_utils.saved_model import save_evaluate_upload
 
 

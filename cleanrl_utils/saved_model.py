@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import check_capture_video, evaluate
-from cleanrl_utils.files import atomic_write
+from cleanrl_utils.run_folder import atomic_write
 
 
 def check_save_model_flags(args, script: str | os.PathLike):

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_file_loader import RawEventFileL
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from cleanrl_utils.files import atomic_write
+from cleanrl_utils.run_folder import atomic_write
 
 # names without "tfevents": TensorBoard reads every file whose name holds it
 REWRITTEN = ".events-rewrite.tmp"

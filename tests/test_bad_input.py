@@ -25,7 +25,7 @@ from cleanrl_utils.cli import parse_flags
 from cleanrl_utils.envs import env_spaces
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import INT32_MAX, check_int32_counts, derive_batch_values
-from cleanrl_utils.replay import check_replay_fits, host_memory_bytes
+from cleanrl_utils.replay_sizing import check_replay_fits, host_memory_bytes
 from cleanrl_utils.run import SebulbaRun
 
 # tiny CartPole PPO: 1 thread x 4 envs x 32 steps = 128 env steps per update, 4 epochs x 4 minibatches

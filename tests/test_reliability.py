@@ -489,7 +489,7 @@ def test_the_event_rewrite_rolls_forward_from_any_crash(tmp_path, crash, monkeyp
 
 
 def test_run_folder_lock_name_and_atomic_write(tmp_path, monkeypatch):
-    from cleanrl_utils.files import RunFolder, atomic_write, default_run_name
+    from cleanrl_utils.run_folder import RunFolder, atomic_write, default_run_name
 
     monkeypatch.chdir(tmp_path)
     assert re.fullmatch(r"CartPole-v1__ppo__1__\d+", default_run_name("CartPole-v1", "ppo", 1))
