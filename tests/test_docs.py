@@ -55,18 +55,26 @@ END_LINE = re.compile(r"update=(\d+)/(\d+) global_step=(\d+)")
 
 
 def commands_and_their_end_lines(page) -> list[tuple[list[str], list[tuple[int, int, int]]]]:
-    """Per bash block of a page that runs scripts: its commands (continuation lines joined) and the
-    `update=N/N global_step=M` lines the prose after it (up to the next code block) says they end at."""
+    """The commands of a page's bash blocks, each group with the `update=N/N global_step=M` lines said of it: in the
+    comment lines just above the commands (up to the next comment), or in the prose after a block (its commands)."""
     text = page.read_text()
     blocks = list(re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S))
     found = []
     for block, following in zip(blocks, [*blocks[1:], None]):
+        if block.group(1) != "bash":
+            continue
+        groups = [([], [])]  # (commands, ends) after each comment
+        for line in block.group(2).replace("\\\n", " ").splitlines():
+            if line.startswith("#"):
+                if groups[-1][0]:
+                    groups.append(([], []))
+                groups[-1][1].extend(tuple(map(int, match)) for match in END_LINE.findall(line))
+            elif "cleanba/cleanba_" in line:
+                groups[-1][0].append(" ".join(line.split()))
         prose = text[block.end() : following.start() if following else len(text)]
-        lines = block.group(2).replace("\\\n", " ").splitlines()
-        commands = [" ".join(line.split()) for line in lines if "cleanba/cleanba_" in line]
-        ends = [tuple(map(int, match)) for match in END_LINE.findall(prose)]
-        if block.group(1) == "bash" and commands and ends:
-            found.append((commands, ends))
+        commands = [command for group in groups for command in group[0]]
+        groups.append((commands, [tuple(map(int, match)) for match in END_LINE.findall(prose)]))
+        found += [(commands, ends) for commands, ends in groups if commands and ends]
     return found
 
 
