@@ -35,6 +35,29 @@ def learner_mesh(learner_device_ids: list[int]):
     return Mesh(np.array(devices), ("batch",)), local
 
 
+def device_name(device) -> str:
+    return f"{device.platform}:{device.id}"
+
+
+def layout_lines(*, mesh, learner_devices: list, thread_devices: list, local_num_envs: int) -> list[str]:
+    """What a Sebulba run prints when it starts, in this process: the learner mesh in its order, then each actor
+    thread's device and where its envs go: slice l of its --local-num-envs to local learner device l, at the global
+    env indices of the formula above (so a user sees which samples each learner device trains on)."""
+    import jax
+
+    process, num_learners, num_threads = jax.process_index(), len(learner_devices), len(thread_devices)
+    per_learner = local_num_envs // num_learners
+    lines = [f"learner mesh (axis batch, in order): {', '.join(map(device_name, mesh.devices.flat))}"]
+    for thread, device in enumerate(thread_devices):
+        slices = []
+        for learner, learner_device in enumerate(learner_devices):
+            start = ((process * num_learners + learner) * num_threads + thread) * per_learner
+            local = f"{learner * per_learner}-{(learner + 1) * per_learner - 1}"
+            slices.append(f"envs {local} -> {device_name(learner_device)} (global {start}-{start + per_learner - 1})")
+        lines.append(f"process {process} actor thread {thread} on {device_name(device)}: {', '.join(slices)}")
+    return lines
+
+
 def split_for_learners(rollout, learner_devices: list) -> list:
     """An actor thread's time-major rollout, one env slice per learner device of its process, each on its device
     (device_put copies the host arrays, so the thread may overwrite them afterwards)."""

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_get, queue_put
 from cleanrl_utils.checkpoints import Checkpoints
+from cleanrl_utils.data_path import layout_lines
 from cleanrl_utils.devices import copies_for_devices, device_layout, envpool_num_threads
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.flags import computation_flags, derive_batch_values, settable_flags
@@ -241,6 +242,13 @@ class SebulbaRun(Run):
             )
             for index in range(num_threads)
         ]
+        lines = layout_lines(
+            mesh=self.mesh,
+            learner_devices=layout.learner_devices,
+            thread_devices=[thread.device for thread in self.actor_threads],
+            local_num_envs=args.local_num_envs,
+        )
+        print("\n".join(lines), flush=True)  # the layout, as data_path.py's formula places each env
         return state, self.actor_threads
 
     def start_actor(self, target: Callable, thread: ActorThread, **kwargs):

@@ -4,6 +4,7 @@ logging, stage timers and episode statistics."""
 import dataclasses
 import os
 import queue
+import re
 import signal
 import tempfile
 import threading
@@ -421,7 +422,7 @@ def test_the_data_path_puts_each_env_where_its_docstring_says(learner_device_ids
     """cleanrl_utils/data_path.py: with T threads of E envs and L learner devices, env e of thread t is at global env
     index ((p L + l) T + t) E/L + e - l E/L (l = e // (E/L), process p = 0), and learner device l holds the global
     envs [l T E/L, (l + 1) T E/L); the mesh takes the learner devices in the order of their ids."""
-    from cleanrl_utils.data_path import assemble_global_rollout, learner_mesh, split_for_learners
+    from cleanrl_utils.data_path import assemble_global_rollout, layout_lines, learner_mesh, split_for_learners
 
     mesh, learner_devices = learner_mesh(learner_device_ids)
     assert learner_devices == list(mesh.devices.flat) == [jax.devices()[1], jax.devices()[3]]
@@ -441,6 +442,16 @@ def test_the_data_path_puts_each_env_where_its_docstring_says(learner_device_ids
     for learner, shard in enumerate(sorted(global_rollout["env"].addressable_shards, key=lambda x: x.index[1].start)):
         assert shard.device == learner_devices[learner]
         np.testing.assert_array_equal(np.asarray(shard.data)[0, :, 0], np.split(expected, num_learners)[learner])
+    # the start-up lines say the same: each thread's env slice, its learner device and its global envs
+    thread_devices = [jax.devices()[0]] * num_threads
+    lines = layout_lines(mesh=mesh, learner_devices=learner_devices, thread_devices=thread_devices, local_num_envs=4)
+    assert lines[0] == "learner mesh (axis batch, in order): cpu:1, cpu:3"
+    values = np.asarray(global_rollout["env"])[0, :, 0]
+    for t, line in enumerate(lines[1:]):
+        assert line.startswith(f"process 0 actor thread {t} on cpu:0: ")
+        for local, device, first, last in re.findall(r"envs (\d+)-\d+ -> (cpu:\d) \(global (\d+)-(\d+)\)", line):
+            np.testing.assert_array_equal(values[int(first) : int(last) + 1], 100 * t + int(local) + np.arange(2))
+            assert device == f"cpu:{learner_devices[int(local) // per_learner].id}"
 
 
 def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):
