@@ -16,6 +16,12 @@ MinAtar PPO example).
         --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64 --log-frequency 1 \\
         --checkpoint-frequency 0 --save-model --eval-episodes 100" \\
         --results benchmark/results/minatar_ppo.jsonl --output static/minatar_ppo.png
+    # CleanRL's own ppo_continuous_action.py (a checkout's copy; its own environment: CPU torch, gymnasium 0.29,
+    # shimmy, dm-control) on DeepMind Control, beside the MuJoCo PPO script on envpool's same four tasks
+    MUJOCO_GL=egl OMP_NUM_THREADS=1 uv run python benchmark/learning_runs.py --script cleanrl \
+        --cleanrl-script ../cleanrl/cleanrl/ppo_continuous_action.py --python ../cleanrl/.venv/bin/python \
+        --flags=--no-cuda --env-ids CheetahRun-v1 WalkerWalk-v1 CartpoleSwingup-v1 BallInCupCatch-v1 \
+        --results benchmark/results/cleanrl_dm_control.jsonl --output static/cleanrl_dm_control.png
     uv run python benchmark/learning_runs.py ... --table-only        # the table and figure from --results
     # the same MinAtar runs on one GPU, five at a time, where python3 has JAX with CUDA (no uv)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmark/learning_runs.py --python python3 --jobs 5 ...
@@ -55,6 +61,10 @@ SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
     "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
     "ppo_anakin": "cleanba/cleanba_ppo_anakin.py",
+    # CleanRL's own ppo_continuous_action.py (its path in --cleanrl-script; never copied here), run by --python in an
+    # environment with its dependencies (CPU torch, gymnasium, shimmy's dm_control wrappers); on envpool's DeepMind
+    # Control ids it runs the same task through dm_control itself (CLEANRL_ENV_IDS)
+    "cleanrl": None,
 }
 # CleanRL's benchmark page for ppo_continuous_action (openrlbenchmark, tag pr-424): ppo_continuous_action on
 # MuJoCo v4 after 1M steps, mean ± std over its 3 seeds
@@ -65,6 +75,18 @@ CLEANRL_PPO = {
     "InvertedPendulum-v4": (963.09, 22.20),
     "Humanoid-v4": (716.11, 49.08),
     "Pusher-v4": (-40.38, 7.15),
+    # its dm_control table (docs, tag v1.0.0-13-gcbd83f6): ppo_continuous_action after 1M steps, 3 seeds
+    "CheetahRun-v1": (432.56, 82.54),
+    "WalkerWalk-v1": (392.51, 56.25),
+    "CartpoleSwingup-v1": (640.86, 11.44),
+    "BallInCupCatch-v1": (900.78, 5.26),
+}
+# envpool's DeepMind Control ids -> the same tasks through gymnasium + shimmy, as CleanRL's script names them
+CLEANRL_ENV_IDS = {
+    "CheetahRun-v1": "dm_control/cheetah-run-v0",
+    "WalkerWalk-v1": "dm_control/walker-walk-v0",
+    "CartpoleSwingup-v1": "dm_control/cartpole-swingup-v0",
+    "BallInCupCatch-v1": "dm_control/ball_in_cup-catch-v0",
 }
 # pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo/assets/*.png, its README's plots): the last point of
 # each curve at 20M steps, read from the plot (the evaluation return of the sampled policy, one episode in each of 100
@@ -80,6 +102,7 @@ PUBLISHED = {  # per script: (its name in the table, {env id: (mean, std)})
     "ppo_continuous_action": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
     "onpolicy": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
     "ppo_anakin": ("pgx's MinAtar PPO (its README's plot at 20M)", PGX_MINATAR_PPO),
+    "cleanrl": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
 }
 LAYOUT = "--num-actor-threads 1 --local-num-envs 8 --actor-device-ids 0 --learner-device-ids 1 --log-frequency 1"
 
@@ -104,6 +127,8 @@ class Args:
     """the command that runs the script (e.g. `python3` where JAX with CUDA is installed and uv is not)"""
     jobs: int = 1
     """runs at a time: one on a CPU (two runs share its cores); several can share one GPU"""
+    cleanrl_script: str = ""
+    """with --script cleanrl: the path of CleanRL's ppo_continuous_action.py"""
 
 
 def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
@@ -121,10 +146,13 @@ def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
 def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     name, flags = variant_flags(args.script, variant)
     exp_name = f"bench_{args.script}_{name}"
+    script, run_env_id = SCRIPTS[args.script], env_id
+    if args.script == "cleanrl":
+        script, run_env_id = args.cleanrl_script, CLEANRL_ENV_IDS.get(env_id, env_id)
     command = [
         *shlex.split(args.python),
-        SCRIPTS[args.script],
-        *("--env-id", env_id, "--seed", str(seed), *flags),
+        script,
+        *("--env-id", run_env_id, "--seed", str(seed), *flags),
         *("--exp-name", exp_name, "--total-timesteps", str(args.total_timesteps), *args.flags.split()),
     ]
     started = time.time()
@@ -132,8 +160,8 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     wall = time.time() - started
     if completed.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{completed.stderr[-3000:]}")
-    run_dir = find_runs("runs", env_id, exp_name)[seed]
-    _, _, returns = read_run(run_dir, "charts/avg_episodic_return")
+    run_dir = find_runs("runs", run_env_id, exp_name)[seed]
+    _, _, returns = read_run(run_dir, return_tag(args.script))
     evaluation = {}
     if "--save-model" in command:  # the saved model's evaluation (sampled actions unless --eval-greedy)
         evaluation = {"eval_return": float(read_run(run_dir, "eval/episodic_return")[2].mean())}
@@ -152,6 +180,12 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
         **machine(),
         "date": datetime.date.today().isoformat(),
     }
+
+
+def return_tag(script: str) -> str:
+    """The scalar a run's returns are read from: CleanRL's script logs one per finished episode (with its one env, the
+    last 10 are the last 10k steps); ours log the mean of the episodes finished in each update."""
+    return "charts/episodic_return" if script == "cleanrl" else "charts/avg_episodic_return"
 
 
 def machines(records: list[dict]) -> str:
@@ -208,7 +242,7 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
             runs = [Path(r["run_dir"]) for r in records if r["env_id"] == env_id and r["variant"] == variant]
             if not runs:
                 continue
-            series = [read_run(run, "charts/avg_episodic_return") for run in runs]
+            series = [read_run(run, return_tag(script)) for run in runs]
             grid, mean, low, high = mean_and_spread([s[0] for s in series], [s[2] for s in series])
             (line,) = ax.plot(grid, mean, label=f"{variant} ({len(runs)} seeds)")
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.15)
@@ -246,6 +280,8 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
 def main(args: Args):
     if args.script not in SCRIPTS:
         fail(f"--script must be one of {list(SCRIPTS)}, got {args.script!r}")
+    if args.script == "cleanrl" and not Path(args.cleanrl_script).is_file():
+        fail(f"--cleanrl-script must be the path of CleanRL's ppo_continuous_action.py, got {args.cleanrl_script!r}")
     names = [variant_flags(args.script, variant)[0] for variant in args.variants]
     results = Path(args.results)
     if args.jobs < 1:

@@ -323,6 +323,39 @@ def test_learning_runs_table_only_prints_mean_and_std_beside_cleanrl_and_draws_t
     assert (workdir / "figure.png").stat().st_size > 10_000
 
 
+STAND_IN_CLEANRL = """
+import sys, time
+from cleanrl_utils.summary_writer import SummaryWriter
+flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+assert "--no-cuda" in sys.argv
+run_dir = f"runs/{flags['--env-id']}__{flags['--exp-name']}__{flags['--seed']}__{int(time.time())}"
+writer = SummaryWriter(run_dir, use_wandb=False, resume_step=0)
+for episode in range(1, 21):  # one return per finished 1,000-step episode, as CleanRL's script logs them
+    writer.add_scalars({"charts/episodic_return": 10.0 * episode}, episode * 1000)
+writer.close()
+"""
+
+
+def test_learning_runs_runs_cleanrls_own_script_on_the_dm_control_id_and_reads_its_per_episode_returns(workdir):
+    """--script cleanrl: the script at --cleanrl-script (a stand-in here: the suite has no copy of CleanRL's) runs on
+    gymnasium's dm_control id of the envpool task, with --flags; a run's final return is the mean of its last 10
+    episodes' returns, tabled under envpool's id beside CleanRL's published dm_control number."""
+    (workdir / "ppo_continuous_action.py").write_text(STAND_IN_CLEANRL)
+    command = [sys.executable, str(REPO / "benchmark" / "learning_runs.py"), "--script", "cleanrl"]
+    command += ["--python", sys.executable, "--flags=--no-cuda", "--env-ids", "WalkerWalk-v1", "--seeds", "1"]
+    command += ["--results", "results.jsonl", "--output", "figure.png"]
+    missing = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --cleanrl-script must be"), missing.stderr
+    command += ["--cleanrl-script", "ppo_continuous_action.py"]
+    process = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0, process.stderr[-2000:]
+    (record,) = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+    assert "--env-id dm_control/walker-walk-v0 --seed 1" in record["command"]
+    assert record["final_return"] == np.mean(10.0 * np.arange(11, 21))
+    assert "| default | 155.0 ± 0.0 (n=1, worst 155.0) **below** |" in process.stdout, process.stdout
+    assert "| CleanRL ppo_continuous_action (published, 3 seeds) | 392.51 ± 56.25 |" in process.stdout
+
+
 # ---------------------------------------------------------------- benchmark/anakin_vs_sebulba.py
 
 
