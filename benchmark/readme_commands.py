@@ -16,6 +16,7 @@ prints from the runs recorded in --results.
 
 import datetime
 import json
+import os
 import platform
 import re
 import shlex
@@ -80,6 +81,10 @@ class Args:
     results: str = "benchmark/results/readme_commands.jsonl"
     """one JSON line per run is appended here"""
     readme: str = "README.md"
+    xla_cpu_max_isa: str = ""
+    """run XLA's CPU code with at most this instruction set (AVX2, SSE4_2): the same seeds through other float
+    rounding, which sends some seeds' runs elsewhere as another processor kind does (a stand-in for one, not one);
+    recorded, and the runs, table and figure are named apart (`impala+isa_AVX2`)"""
     table_only: bool = False
     """run nothing: print the tables and draw the figures from the runs recorded in --results (the newest per seed)"""
 
@@ -147,12 +152,15 @@ def env_id_of(command: str) -> str:
     return shlex.split(command)[shlex.split(command).index("--env-id") + 1]
 
 
-def run_seed(name: str, command: str, seed: int) -> dict:
+def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
     exp_name = "readme_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
     argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
     print(f"running: {shlex.join(argv)}", flush=True)
+    env = dict(os.environ)
+    if max_isa:  # the scripts append their device count to XLA_FLAGS, keeping this
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={max_isa}".strip()
     start = time.time()
-    process = subprocess.run(argv, capture_output=True, text=True)
+    process = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.time() - start
     if process.returncode != 0:
         sys.exit(f"error: {name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
@@ -164,6 +172,7 @@ def run_seed(name: str, command: str, seed: int) -> dict:
         "seed": seed,
         "command": command,
         **machine(),
+        **({"xla_cpu_max_isa": max_isa} if max_isa else {}),
         "date": datetime.date.today().isoformat(),
         "wall_s": round(wall, 1),
         "last": last_update,
@@ -246,6 +255,8 @@ def main(args: Args):
         extra = shlex.split(args.extra_flags)
         command = " ".join([commands[name], *extra])
         algorithm = name if not extra else f"{name}+{'_'.join(extra).lstrip('-')}"
+        if args.xla_cpu_max_isa:
+            algorithm += f"+isa_{args.xla_cpu_max_isa}"
         records: dict[int, dict] = {}
         if args.table_only:
             for line in Path(args.results).read_text().splitlines():
@@ -254,7 +265,7 @@ def main(args: Args):
                     records[record["seed"]] = record  # the newest line of a seed counts
         else:
             for seed in args.seeds:
-                records[seed] = run_seed(algorithm, command, seed)
+                records[seed] = run_seed(algorithm, command, seed, args.xla_cpu_max_isa)
                 with open(args.results, "a") as results:
                     results.write(json.dumps(records[seed]) + "\n")
         if not records:
