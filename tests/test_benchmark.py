@@ -273,6 +273,24 @@ def test_the_best_window_can_hold_the_last_logged_value():
     assert (best, final, best_from) == (18.0, 18.0, 16_000)
 
 
+def test_readme_commands_max_isa_is_added_to_the_runs_xla_flags(monkeypatch):
+    """--xla-cpu-max-isa reaches the script's XLA_FLAGS beside flags already set (the scripts append their device
+    count to it, keeping both)."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import readme_commands
+
+    class Started(Exception):
+        pass
+
+    def started(argv, env, **kwargs):
+        raise Started(env["XLA_FLAGS"])
+
+    monkeypatch.setattr(readme_commands.subprocess, "run", started)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    with pytest.raises(Started, match="^--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2$"):
+        readme_commands.run_seed("impala", "uv run python cleanba/x.py --env-id CartPole-v1", 1, "AVX2")
+
+
 def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
     process = subprocess.run(
         [sys.executable, str(REPO / "benchmark" / "readme_commands.py"), "--algorithms", "dqn"],
