@@ -187,8 +187,10 @@ def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
     for _, record in sorted(records.items()):
         if "curve" in record:
             steps, values = (np.array(column) for column in zip(*record["curve"]))
-        else:  # a record from before the curves were kept: its run folder
+        elif Path(record["run_dir"]).is_dir():  # a record from before the curves were kept: its run folder
             steps, _, values = read_run(Path(record["run_dir"]), TAG)
+        else:
+            fail(f"seed {record['seed']}'s record keeps no curve and {record['run_dir']} is gone: run the seed again")
         best, final, best_start = window_averages(steps, values, window)
         reached = steps[np.argmax(values >= threshold)] if (values >= threshold).any() else None
         rows.append(

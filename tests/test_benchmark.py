@@ -291,6 +291,24 @@ def test_readme_commands_max_isa_is_added_to_the_runs_xla_flags(monkeypatch):
         readme_commands.run_seed("impala", "uv run python cleanba/x.py --env-id CartPole-v1", 1, "AVX2")
 
 
+def test_readme_commands_table_of_a_record_without_curve_or_run_folder_is_one_line(workdir):
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import readme_commands
+
+    command = readme_commands.readme_commands(str(REPO / "README.md"))["impala"]
+    record = {"algorithm": "impala", "seed": 3, "command": command, "run_dir": "runs/gone"}
+    (workdir / "results.jsonl").write_text(json.dumps(record) + "\n")
+    process = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "readme_commands.py"), "--algorithms", "impala", "--table-only"]
+        + ["--results", "results.jsonl", "--readme", str(REPO / "README.md")],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == 2, process.stderr
+    assert process.stderr == "error: seed 3's record keeps no curve and runs/gone is gone: run the seed again\n"
+
+
 def test_readme_commands_rejects_an_unknown_algorithm_with_one_line():
     process = subprocess.run(
         [sys.executable, str(REPO / "benchmark" / "readme_commands.py"), "--algorithms", "dqn"],
