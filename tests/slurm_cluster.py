@@ -23,9 +23,11 @@ REPO = TESTS.parent
 DAEMONS = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun"]
 NAMESPACE_TOOLS = ["ip", "nsenter", "unshare", "mount"]
 PACKAGES = "slurmctld slurmd slurm-client munge iproute2"
-# the private bridge: this machine's side (slurmctld listens there) and the nodes' addresses, no route out
-BRIDGE = "cleanba-br57"
-NETWORK = "10.157.57"
+# the private bridge: this machine's side (slurmctld listens there) and the nodes' addresses, no route out; named
+# after this process, so that two test sessions on one machine keep apart
+SESSION = os.getpid()
+BRIDGE = f"cbr{SESSION}"
+NETWORK = f"10.157.{SESSION % 250 + 1}"
 CONTROLLER_ADDRESS = f"{NETWORK}.1"
 NODES = {"node1": f"{NETWORK}.11", "node2": f"{NETWORK}.12"}
 
@@ -57,27 +59,37 @@ def wait_until(condition, timeout: float, what: str, details=lambda: ""):
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{details()}")
 
 
-def namespace(node: str) -> str:
-    return f"cleanba-{node}"
+def namespace(node: str, session: int = SESSION) -> str:
+    return f"cleanba{session}-{node}"
 
 
-def ip(*command: str, check: bool = True):
+def ip(*command: str, check: bool = True) -> str:
     result = subprocess.run(["ip", *command], capture_output=True, text=True, timeout=30)
     if check and result.returncode != 0:
         pytest.fail(f"ip {' '.join(command)}: exit code {result.returncode}\n{result.stderr}")
+    return result.stdout
 
 
-def remove_network():
-    """The nodes' namespaces and the bridge, also those a crashed earlier session left (they would block a rerun)."""
+def remove_network(session: int = SESSION):
+    """A session's namespaces and bridge (the veth pairs go with the namespaces)."""
     for node in NODES:
-        ip("netns", "delete", namespace(node), check=False)
-    ip("link", "delete", BRIDGE, check=False)
+        ip("netns", "delete", namespace(node, session), check=False)
+    ip("link", "delete", f"cbr{session}", check=False)
+
+
+def remove_stale_networks():
+    """The namespaces and bridges that earlier sessions, now gone, left behind (a crash, a kill -9)."""
+    names = ip("netns", "list", check=False) + ip("-o", "link", "show", "type", "bridge", check=False)
+    found = re.findall(r"\bcleanba(\d+)-node\d\b|\bcbr(\d+)\b", names)  # (namespace's, bridge's) session
+    for session in {int(number) for pair in found for number in pair if number}:
+        if not Path(f"/proc/{session}").exists():
+            remove_network(session)
 
 
 def create_network():
     """A bridge on this machine ({CONTROLLER_ADDRESS}) and, per node, a network namespace whose eth0 is one end of
     a veth pair plugged into the bridge: the nodes reach each other and slurmctld, and nothing else."""
-    remove_network()
+    remove_stale_networks()
     ip("link", "add", BRIDGE, "type", "bridge")
     ip("addr", "add", f"{CONTROLLER_ADDRESS}/24", "dev", BRIDGE)
     ip("link", "set", BRIDGE, "up")
