@@ -80,7 +80,7 @@ def test_requeue_and_preemption_with_or_without_grace_time_resume_the_run_by_the
     requeues it). Each time the run writes its stop checkpoint after the update in progress, the next attempt
     resumes from it, and the job ends COMPLETED 0:0 at the full step count, with every TensorBoard step logged
     once and the log of every attempt kept."""
-    total_updates = 400
+    total_updates = 600  # room for the last interruption to arrive before the run ends, on an idle machine too
     job = cluster.submit_sweep(workdir, command(total_updates, tasks=1), tasks=1, env=script_env())
     interruptions = [
         ("scontrol requeue", 0, lambda: cluster.run("scontrol", "requeue", job.id)),
