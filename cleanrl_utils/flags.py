@@ -254,7 +254,7 @@ class DeviceArgs(RunArgs):
     process_id: RunSetting[int | None] = None
     """with --distributed outside Slurm: the id of this process, in [0, num_processes)"""
     heartbeat_timeout: RunSetting[int] = 30
-    """with --distributed: seconds without a heartbeat after which a process counts as dead, and the longest
+    """with --distributed: seconds within which a process whose host went silent ends the run, and the longest
     wait for every process to start (in [1, 86400])"""
 
     # derived when the run starts (cleanrl_utils.run), not flags

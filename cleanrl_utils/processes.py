@@ -8,13 +8,22 @@ Cleanba did.
 
 When a process dies, its peers learn it in their next collective (Gloo: "Connection reset by peer"), and each ends
 with one line naming the process(es) that ended first: every process listens on a socket whose address all the
-others know (the kernel accepts connections while the process lives, with no thread; it refuses them once the
-process is gone), so a survivor asks each peer's socket. When the process that ended is process 0, JAX's
-coordination service (which runs in it) is gone too, and JAX aborts the others itself ("Terminating process because
-the JAX distributed service detected fatal errors"): JAX takes no handler for that (its client's
-missed_heartbeat_callback cannot be called from Python: std::bad_cast, jax 0.10 and 0.12).
+others know (a thread accepts and closes each connection; the kernel refuses them once the process is gone), so a
+survivor asks each peer's socket. A host that goes silent (down, or off the network: its connections neither close
+nor answer) is found by a watchdog thread that asks every peer's socket each second: one silent for half of
+--heartbeat-timeout ends each surviving process with one line naming it. JAX's own heartbeat check would abort the
+process later, from C++, with a stack trace: JAX takes no handler for that (its client's missed_heartbeat_callback
+cannot be called from Python: std::bad_cast, jax 0.10 and 0.12), so JAX's heartbeat timeout is set to twice ours.
+When the process that ended is process 0, JAX's coordination service (which runs in it) is gone too, and JAX aborts
+the others itself ("Terminating process because the JAX distributed service detected fatal errors").
+
+Before any collective, the processes compare, through the coordination service, the address each one's host name
+resolves to: Gloo (JAX's CPU collectives) listens there, and a host whose name resolves to a loopback address
+(Debian's default /etc/hosts line `127.0.1.1 HOST`) cannot be reached by the others (Gloo: "Connection refused").
 """
 
+import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -30,8 +39,11 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import computation_flags, flag
 
 _HOST_BYTES = 255  # a host name's longest length (POSIX HOST_NAME_MAX)
-_peers = {"listener": None, "addresses": []}  # this process's liveness socket; every process's (host, port)
+_PROBE_SECONDS = 1.0  # how often the watchdog asks each peer's liveness socket
+# this process's liveness socket and rank; every process's (host, port); the watchdog's stop
+_peers = {"listener": None, "rank": 0, "addresses": [], "stop_watching": threading.Event()}
 _process = {"distributed": False}
+_ending = threading.Lock()  # held by the thread that ends the process: its line is the only one
 
 
 def distributed_started() -> bool:
@@ -43,12 +55,17 @@ def mark_distributed(started: bool):
     _process["distributed"] = started
 
 
-def exit_process(code: int, line: str | None = None) -> NoReturn:
+def exit_process(code: int, line: str | None = None, outlive: bool = False) -> NoReturn:
     """End the process now, without the interpreter's shutdown (a jax.distributed run's exit barrier would wait for
-    peers): prints `error: {line}` first. Called by cleanrl_utils.cli.run_cli, and by a watchdog thread
-    (`start_distributed`'s timeout)."""
+    peers): prints `error: {line}` first, then (`outlive`) lets the peers print theirs (`outlive_peers`). Called by
+    cleanrl_utils.cli.run_cli, and by watchdog threads (`start_distributed`'s timeout, `_watch_for_silent_peers`);
+    the first caller ends the process, a later one waits for that."""
+    if not _ending.acquire(blocking=False):
+        threading.Event().wait()  # another thread is ending the process, with its own line
     if line is not None:
         print(f"error: {line}", file=sys.stderr, flush=True)
+    if outlive:
+        outlive_peers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -64,8 +81,9 @@ def local_device_ids(args) -> list[int] | None:
 
 def start_distributed(args):
     """jax.distributed.initialize, bounded: a peer that has not arrived after --heartbeat-timeout seconds ends the
-    wait with one line (JAX's own timeout aborts the process with a C++ stack dump, so ours fires first). Then each
-    process learns where every other one listens (`gone_processes`)."""
+    wait with one line (JAX's own timeout aborts the process with a C++ stack dump, so ours fires first). Then the
+    processes check that each host's own address is one the others can reach, each process learns where every
+    other one listens (`gone_processes`), and a watchdog watches them (`_watch_for_silent_peers`)."""
     import jax
 
     if args.coordinator_address is not None:
@@ -92,26 +110,70 @@ def start_distributed(args):
     timer.daemon = True
     timer.start()
     try:
-        # a dead peer is detected after heartbeat_timeout_seconds (JAX's default is 100 s)
+        # JAX aborts a process whose peer sent no heartbeat for heartbeat_timeout_seconds (its default is 100 s):
+        # our watchdog names a silent peer within --heartbeat-timeout, so JAX's check comes later
         jax.distributed.initialize(
             args.coordinator_address,
             args.num_processes,
             args.process_id,
             local_device_ids=local_device_ids(args),
             initialization_timeout=args.heartbeat_timeout + 60,
-            heartbeat_timeout_seconds=args.heartbeat_timeout,
+            heartbeat_timeout_seconds=2 * args.heartbeat_timeout,
         )
     except ValueError as error:  # e.g. no Slurm and no --coordinator-address: JAX cannot tell the cluster
         raise UsageError(f"--distributed: {str(error).splitlines()[0][:300]}") from None
     finally:
         timer.cancel()
+    # every process finds an unreachable address and raises the same UsageError: all of them then leave through
+    # jax.distributed's shutdown barrier at exit, each with its line
+    check_own_addresses(args.heartbeat_timeout)
     mark_distributed(True)
     _listen_for_peers()
+    if len(_peers["addresses"]) > 1:
+        _peers["stop_watching"].clear()
+        watchdog = threading.Thread(
+            target=_watch_for_silent_peers, args=(args.heartbeat_timeout,), name="silent-peers", daemon=True
+        )
+        watchdog.start()
+
+
+def own_address(host: str) -> str | None:
+    """The address `host` resolves to first, as Gloo picks the address it listens on (None: it does not resolve)."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        return None
+
+
+def check_own_addresses(timeout: int):
+    """Every process publishes its host name and the address that name resolves to in the coordination service's
+    key-value store (no collective: Gloo would fail first, with a traceback), and reads everyone's. With several
+    hosts, a host whose own name resolves to a loopback address, or to nothing, is a UsageError naming it."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    host = socket.gethostname()
+    client.key_value_set(f"cleanba/address/{distributed.global_state.process_id}", f"{host} {own_address(host)}")
+    hosts = dict(
+        client.blocking_key_value_get(f"cleanba/address/{rank}", timeout * 1000).split(" ")
+        for rank in range(distributed.global_state.num_processes)
+    )
+    if len(hosts) < 2:  # one host: its processes reach each other on any of its addresses
+        return
+    for name, address in sorted(hosts.items()):
+        if address == "None" or ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            resolved = "does not resolve" if address == "None" else f"resolves to {address}, a loopback address"
+            raise UsageError(
+                f"--distributed: host {name}'s own name {resolved}: the other hosts cannot reach its processes "
+                f"there. Map {name} to its network address on {name} (its /etc/hosts, where Debian's default line "
+                f"is '127.0.1.1 {name}', or DNS)"
+            )
 
 
 def _listen_for_peers():
-    """A listening socket (the kernel accepts connections for it as long as this process lives) and every process's
-    host and port, gathered from all processes."""
+    """A listening socket (connections to it succeed as long as this process lives) and every process's host and
+    port, gathered from all processes."""
+    import jax
     from jax.experimental import multihost_utils
 
     listener = socket.socket()
@@ -123,29 +185,82 @@ def _listen_for_peers():
     row[2 : 2 + len(host)] = np.frombuffer(host, np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(row))
     _peers["listener"] = listener
+    _peers["rank"] = jax.process_index()
     _peers["addresses"] = [
         (bytes(r[2:]).rstrip(b"\0").decode(errors="replace"), int.from_bytes(bytes(r[:2]), "big")) for r in rows
     ]
+    threading.Thread(target=_accept_probes, args=(listener,), name="liveness", daemon=True).start()
+
+
+def _accept_probes(listener: socket.socket):
+    """Accept and close every probe (the watchdog's probes come each second: a backlog would fill up)."""
+    while True:
+        try:
+            listener.accept()[0].close()
+        except OSError:  # the listener was closed (`shutdown`)
+            return
+
+
+def probe(host: str, port: int, timeout: float) -> str:
+    """'alive'; 'ended' (the host refuses: the process is gone); 'silent' (no answer: its host is down or off the
+    network)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return "ended"
+    except OSError:
+        return "silent"
+    return "alive"
+
+
+def _watch_for_silent_peers(heartbeat_timeout: int):
+    """Each second, every peer's liveness socket: one whose host has not answered for half of --heartbeat-timeout
+    ends this process with one line naming it, before JAX's heartbeat check (which aborts from C++). A peer that
+    ended (refused) is left to the collective that fails (`peer_failure_line`)."""
+    stop = _peers["stop_watching"]
+    others = [rank for rank in range(len(_peers["addresses"])) if rank != _peers["rank"]]
+    timeout = min(2.0, heartbeat_timeout / 4)
+    last_answer = dict.fromkeys(others, time.time())
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(others)))) as pool:
+        while not stop.is_set():
+            started = time.time()
+            states = list(pool.map(lambda rank: probe(*_peers["addresses"][rank], timeout), others))
+            for rank, state in zip(others, states):
+                if state != "silent":
+                    last_answer[rank] = started
+            silent = sorted(rank for rank in others if started - last_answer[rank] >= heartbeat_timeout / 2)
+            if silent and not stop.is_set():
+                silent_for = time.time() - last_answer[silent[0]]
+                exit_process(1, silent_peers_line(silent, silent_for), outlive=True)
+            stop.wait(max(0.0, _PROBE_SECONDS - (time.time() - started)))
+
+
+def silent_peers_line(lost: list[int], silent_for: float) -> str:
+    """The one line of a process whose peers' hosts went silent: who, where, and how the run goes on."""
+    import jax
+
+    who = ", ".join(f"process {rank} (host {_peers['addresses'][rank][0]})" for rank in lost)
+    job = os.environ.get("SLURM_JOB_ID")
+    if job is not None and os.environ.get("SLURM_ARRAY_JOB_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}"
+    requeue = f"; under Slurm the job resumes when requeued (by Slurm on a node failure, or scontrol requeue {job})"
+    return (
+        f"--distributed: {who} of this run's {jax.process_count()} went silent: no answer for {silent_for:.0f}s "
+        f"(its host is down or off the network); process {jax.process_index()} stops too. The run resumes from its "
+        f"last checkpoint when every process is started again{requeue if job else ''}"
+    )
 
 
 def gone_processes(timeout: float = 3.0) -> list[int]:
     """The processes of this run whose liveness socket refuses a connection (the process has ended) or does not
     answer within `timeout` seconds (its host is gone); empty outside a distributed run."""
-    import jax
-
     if not _peers["addresses"]:
         return []
-    me = jax.process_index()
 
     def gone(rank: int) -> bool:
-        host, port = _peers["addresses"][rank]
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-        except OSError:
-            return True
-        return False
+        return probe(*_peers["addresses"][rank], timeout) != "alive"
 
-    others = [rank for rank in range(len(_peers["addresses"])) if rank != me]
+    others = [rank for rank in range(len(_peers["addresses"])) if rank != _peers["rank"]]
     with ThreadPoolExecutor(max_workers=min(32, max(1, len(others)))) as pool:
         return [rank for rank, is_gone in zip(others, pool.map(gone, others)) if is_gone]
 
@@ -232,11 +347,14 @@ def agreed_time() -> int:
 
 def shutdown():
     """Leave jax.distributed (a barrier: every process ends its run), and close the liveness socket."""
+    _peers["stop_watching"].set()
     if distributed_started():
         import jax
 
         jax.distributed.shutdown()
         mark_distributed(False)
     if _peers["listener"] is not None:
+        with contextlib.suppress(OSError):  # wakes the thread blocked in accept (close alone would not)
+            _peers["listener"].shutdown(socket.SHUT_RDWR)
         _peers["listener"].close()
-        _peers.update(listener=None, addresses=[])
+        _peers.update(listener=None, rank=0, addresses=[])

@@ -285,6 +285,54 @@ def test_preemption_alone_stops_now_and_exits_with_the_shells_code():
             signal.signal(sig, handler)
 
 
+class KeyValueStore:
+    """A stand-in for JAX's coordination service client: its key-value store, filled by every process."""
+
+    def __init__(self, entries: dict[str, str]):
+        self.entries = dict(entries)
+
+    def key_value_set(self, key: str, value: str):
+        self.entries[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        return self.entries[key]
+
+
+@pytest.mark.parametrize(
+    "peer, own, error",
+    [
+        ("node1 10.0.0.11", "127.0.1.1", "host node2's own name resolves to 127.0.1.1, a loopback address"),
+        ("node1 10.0.0.11", None, "host node2's own name does not resolve"),
+        ("node1 ::1", "10.0.0.12", "host node1's own name resolves to ::1, a loopback address"),
+        ("node1 10.0.0.11", "10.0.0.12", None),
+        ("node2 127.0.1.1", "127.0.1.1", None),  # one host: its processes reach each other on loopback
+    ],
+)
+def test_a_host_whose_own_name_resolves_to_loopback_is_one_line_naming_it(peer, own, error, monkeypatch):
+    """Process 1 on node2 reads process 0's entry (host, address) and writes its own (`own`): with two hosts, one
+    that resolves its own name to a loopback address or to nothing is a UsageError naming the host and the fix."""
+    from jax._src import distributed
+
+    from cleanrl_utils import processes
+
+    store = KeyValueStore({"cleanba/address/0": peer})
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(distributed.global_state, "process_id", 1)
+    monkeypatch.setattr(distributed.global_state, "num_processes", 2)
+    monkeypatch.setattr(processes.socket, "gethostname", lambda: "node2")
+    monkeypatch.setattr(processes, "own_address", lambda host: own)
+    if error is None:
+        processes.check_own_addresses(timeout=1)
+        return
+    with pytest.raises(UsageError) as raised:
+        processes.check_own_addresses(timeout=1)
+    host = re.search(r"host (\w+)", error).group(1)
+    assert str(raised.value).startswith(f"--distributed: {error}") and f"Map {host} to its network address" in str(
+        raised.value
+    )
+    assert store.entries["cleanba/address/1"] == f"node2 {own}"
+
+
 @pytest.mark.parametrize("user_ids", [None, "0"], ids=["flags", "JAX_LOCAL_DEVICE_IDS"])
 def test_under_slurm_each_process_sees_every_gpu_its_device_flags_name(user_ids, monkeypatch):
     """srun's task 3 of 4 (the second on its node): JAX alone would make GPU SLURM_LOCALID = 1 its only device
@@ -310,6 +358,7 @@ def test_under_slurm_each_process_sees_every_gpu_its_device_flags_name(user_ids,
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(processes, "mark_distributed", lambda started: None)
+    monkeypatch.setattr(processes, "check_own_addresses", lambda timeout: None)
     monkeypatch.setattr(processes, "_listen_for_peers", lambda: None)
     args = dataclasses.replace(_layout_args(), learner_device_ids=[1, 2, 3])
     args.coordinator_address, args.num_processes, args.process_id, args.heartbeat_timeout = None, None, None, 30
