@@ -11,7 +11,10 @@ CNN sizes, devices and seed, and upstream `--concurrency` (its actor one policy 
 by default; upstream's default today is lag 0). What no flag makes equal: upstream's Atari settings are Machado et
 al.'s (sticky actions 0.25, the 18 actions of the full action space, no life loss; ours are IMPALA's), envpool's
 thread count is its default, its learner is one `pmap`ped program per update (`lax.scan` over epochs and minibatches;
-ours a Python loop over one compiled minibatch step), and it sets `XLA_PYTHON_CLIENT_MEM_FRACTION=0.6`.
+ours a Python loop over one compiled minibatch step), and it sets `XLA_PYTHON_CLIENT_MEM_FRACTION=0.6`. Its imports
+are all in uv.lock (rich through tyro, tensorboardX through playground's brax; its flax.jax_utils.replicate works with
+today's JAX from flax 0.12.7 on, the lock has 0.12.8); W&B and its own cleanrl_utils load only with --track and
+--save-model, which it is not given.
 
 The measure is the same for both: env steps per second from the log of update --warmup-updates to the last, by wall
 time (benchmark/throughput.py's steady state), ours from its `charts/SPS` TensorBoard events, upstream's from the
@@ -62,9 +65,14 @@ EDITS = [
         "jax.device_put_replicated(key, learner_devices)",
         "flax.jax_utils.replicate(key, devices=learner_devices)",
         1,
-        "jax.device_put_replicated was removed (JAX 0.10); flax's replicate is its replacement",
+        "jax.device_put_replicated is gone from JAX 0.10 (deprecated in 0.8.1); flax's replicate replaces it",
     ),
-    ("jax.device_put_sharded(", "device_put_sharded(", 3, "jax.device_put_sharded was removed (JAX 0.10)"),
+    (
+        "jax.device_put_sharded(",
+        "device_put_sharded(",
+        3,
+        "jax.device_put_sharded is gone from JAX 0.10 (deprecated in 0.8.1)",
+    ),
     (
         "\n@dataclass\nclass Args:",
         f"{DEVICE_PUT_SHARDED}\n\n@dataclass\nclass Args:",

@@ -237,7 +237,7 @@ def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_ha
     stand_in, upstream_cleanba = upstream_stand_in(tmp_path)
     script = upstream_cleanba.patched(stand_in.read_text(), stand_in)
     sizes = {"local_num_envs": 2, "num_actor_threads": 1, "num_steps": 4, "updates": 6, "warmup_updates": 2}
-    args = upstream_cleanba.Args(cleanba_ppo=stand_in, results=tmp_path / "r", logs=tmp_path, timeout=4, **sizes)
+    args = upstream_cleanba.Args(cleanba_ppo=stand_in, results=tmp_path / "r", logs=tmp_path, timeout=5, **sizes)
     sps, updates, stopped = upstream_cleanba.upstream_sps(args, script, batch_size=8)
     assert (updates, stopped) == (7, False) and sps > 0  # one update more than asked, as upstream's actor
     assert (tmp_path / "upstream.log").read_text().count("global_step=") == 7
