@@ -37,6 +37,11 @@
 #   (j) sync        not in the default list: the full script's steady SPS without and with --sync-minibatches (the
 #                   learner waits for each minibatch step, so pending actor inference runs between them), one right
 #                   after the other, LEARNER_ALGORITHMS on Breakout-v5, a0-l0; gpu_sync.jsonl
+#   (k) cleanba-upstream not in the default list: upstream Cleanba's PPO (CLEANBA_PPO: its cleanba/cleanba_ppo.py,
+#                   git-ignored under benchmark/upstream/, run with the edits today's JAX, flax and envpool need) and
+#                   ours, one after the other, PPO Breakout-v5 at our defaults, a0-l0, 30 updates each
+#                   (benchmark/upstream_cleanba.py; UPSTREAM_FLAGS adds its flags): both steady SPS and the ratio,
+#                   ours over upstream's, in gpu_cleanba_upstream.jsonl, upstream's console in cleanba_upstream_logs
 #
 # usage (repository root, on a machine with an NVIDIA GPU):
 #   bash benchmark/gpu.sh [results folder] [sections...]
@@ -44,6 +49,8 @@
 #   the 10M run, one command per part: bash benchmark/gpu.sh OUT breakout10m, then, with the previous part's pack
 #   copied into the working tree (PART_IN: its path, or the stem of its pieces),
 #   PART_IN=benchmark/results/breakout10m_part1.tar.gz bash benchmark/gpu.sh OUT breakout10m
+#   upstream Cleanba beside ours (docs/performance.md#upstream-cleanba-beside-ours):
+#   CLEANBA_PPO=benchmark/upstream/cleanba_ppo.py bash benchmark/gpu.sh OUT cleanba-upstream
 # PY picks the interpreter (default: uv with the CUDA extra). Results: gpu_env_ceiling.jsonl, gpu_throughput.jsonl
 # (one JSON line per config, markdown table printed), gpu_curve.txt, gpu_minatar_ppo.jsonl and .png,
 # gpu_jax_env_ceiling.jsonl, gpu_anakin_minatar_sps.txt, gpu_env_ceiling_sweep.jsonl with lscpu.txt and
@@ -126,6 +133,12 @@ for section in $sections; do
       --results "$out/gpu_pgx_minatar_check.jsonl" --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} \
       --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
     ;;
+  cleanba-upstream)
+    [ -f "${CLEANBA_PPO:-}" ] || { echo "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py" >&2; exit 2; }
+    # shellcheck disable=SC2086
+    step $PY "$repo/benchmark/upstream_cleanba.py" --cleanba-ppo "$CLEANBA_PPO" --results "$out/gpu_cleanba_upstream.jsonl" \
+      --logs "$out/cleanba_upstream_logs" $GPU0 ${UPSTREAM_FLAGS:-}
+    ;;
   ceiling-sweep)
     { lscpu || echo "lscpu failed"; } >"$out/lscpu.txt" 2>&1
     { nvidia-smi || echo "nvidia-smi failed (no NVIDIA GPU?)"; } >"$out/nvidia_smi.txt" 2>&1
@@ -167,7 +180,7 @@ for section in $sections; do
     ;;
   *)
     echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check" \
-      "ceiling-sweep breakout10m learner sync)" >&2
+      "cleanba-upstream ceiling-sweep breakout10m learner sync)" >&2
     exit 2
     ;;
   esac

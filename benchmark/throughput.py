@@ -188,6 +188,13 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
     return results
 
 
+def steady_sps(steps: list[int], times: list[float], warmup_updates: int) -> float:
+    """Env steps per second from the log of update `warmup_updates` to the last: `steps` and wall `times`, one each
+    per update."""
+    first = warmup_updates - 1
+    return (steps[-1] - steps[first]) / (times[-1] - times[first])
+
+
 def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: int) -> dict:
     """The script as a user runs it; steady-state SPS from the wall times of its TensorBoard events."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -222,8 +229,8 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
             )
             accumulator.Reload()
             events = accumulator.Scalars("charts/SPS")
-            first, last = events[harness.warmup_updates - 1], events[-1]
-            rates.append((last.step - first.step) / (last.wall_time - first.wall_time))
+            steps, times = [event.step for event in events], [event.wall_time for event in events]
+            rates.append(steady_sps(steps, times, harness.warmup_updates))
             rss = [event.value for event in accumulator.Scalars("stats/peak_rss_mib")]
             rss_at_10.append(rss[min(9, len(rss) - 1)])
             rss_last.append(rss[-1])

@@ -1,6 +1,7 @@
 """benchmark/throughput.py: every stage is measured on the script's own functions and the table adds up; the
 environment ceiling and benchmark/gpu.sh's sections, on the CPU with tiny settings."""
 
+import hashlib
 import itertools
 import json
 import os
@@ -154,7 +155,7 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
     assert completed.returncode == 2
     assert completed.stderr.strip() == (
         "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check "
-        "ceiling-sweep breakout10m learner sync)"
+        "cleanba-upstream ceiling-sweep breakout10m learner sync)"
     )
 
 
@@ -209,6 +210,109 @@ def gpu_sh(workdir, sections: list[str], env: dict, out: str = "out", timeout: f
         text=True,
         timeout=timeout,
     )
+
+
+# ---------------------------------------------------------------- benchmark/upstream_cleanba.py
+
+
+def upstream_stand_in(folder, without: str = "") -> tuple:
+    """(tests/upstream_cleanba_stand_in.py in `folder` with the text each edit of the runner replaces in its ANCHORS,
+    as often as upstream has it, but for the edit whose reason starts with `without`; the runner's module)."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import upstream_cleanba
+
+    anchors = "\n".join(
+        old * count for old, _, count, reason in upstream_cleanba.EDITS if not without or not reason.startswith(without)
+    )
+    text = (REPO / "tests" / "upstream_cleanba_stand_in.py").read_text()
+    stand_in = folder / "cleanba_ppo.py"
+    stand_in.write_text(text.replace('ANCHORS = """"""', f'ANCHORS = """{anchors}"""'))
+    return stand_in, upstream_cleanba
+
+
+def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_hangs(tmp_path, monkeypatch, capsys):
+    """Upstream's SPS from its console's `global_step=` lines: of a run that ends, of one that hangs after its last
+    update (stopped after --timeout, as upstream's actor threads wait forever on a failed learner), and a failed run
+    is one error line naming its log."""
+    stand_in, upstream_cleanba = upstream_stand_in(tmp_path)
+    script = upstream_cleanba.patched(stand_in.read_text(), stand_in)
+    sizes = {"local_num_envs": 2, "num_actor_threads": 1, "num_steps": 4, "updates": 6, "warmup_updates": 2}
+    args = upstream_cleanba.Args(cleanba_ppo=stand_in, results=tmp_path / "r", logs=tmp_path, timeout=5, **sizes)
+    sps, updates, stopped = upstream_cleanba.upstream_sps(args, script, batch_size=8)
+    assert (updates, stopped) == (7, False) and sps > 0  # one update more than asked, as upstream's actor
+    assert (tmp_path / "upstream.log").read_text().count("global_step=") == 7
+    monkeypatch.setenv("UPSTREAM_STAND_IN_HANGS", "1")
+    sps, updates, stopped = upstream_cleanba.upstream_sps(args, script, batch_size=8)
+    assert (updates, stopped) == (7, True) and sps > 0
+    with pytest.raises(SystemExit) as exit_info:
+        upstream_cleanba.upstream_sps(args, "import sys\nprint('global_step=8,')\nsys.exit(3)\n", batch_size=8)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: upstream's run failed (3) after 1 logged updates: its log is {tmp_path / 'upstream.log'}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "env, flags, error",
+    [
+        ({}, "", "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py"),
+        (
+            {"CLEANBA_PPO": "without the step edit"},
+            "",
+            "error: --cleanba-ppo {stand_in}: the edit for 'gymnasium's step returns terminated and truncated apart; "
+            "gym's done is either' expects 1 of 'next_obs, next_reward, next_done, info = envs.step(cpu_action)', "
+            "found 0",
+        ),
+        (
+            {"CLEANBA_PPO": "with every edit"},
+            "--updates 5 --warmup-updates 5",
+            "error: --warmup-updates must be in [1, --updates) (got 5, --updates 5)",
+        ),
+    ],
+    ids=["no-path", "edit-gone", "warmup"],
+)
+def test_gpu_benchmarks_cleanba_upstream_rejects_its_input_in_one_line(workdir, env, flags, error):
+    """Before any run: no CLEANBA_PPO, an upstream script where an edit no longer applies, bad flags."""
+    if "CLEANBA_PPO" in env:
+        stand_in, _ = upstream_stand_in(workdir, without="gymnasium's step" if "without" in env["CLEANBA_PPO"] else "")
+        env = {"CLEANBA_PPO": str(stand_in)}
+    completed = gpu_sh(workdir, ["cleanba-upstream"], {**env, "UPSTREAM_FLAGS": flags})
+    assert completed.returncode == (2 if "needs" in error else 1)  # a failed step: gpu.sh goes on, then exits 1
+    assert error.format(stand_in=env.get("CLEANBA_PPO")) in completed.stderr.strip().splitlines()
+    assert not (workdir / "out" / "gpu_cleanba_upstream.jsonl").exists()
+
+
+@pytest.mark.slow  # ours on Breakout-v5 for 7 updates: an end-to-end run of over ~9 s
+def test_gpu_benchmarks_cleanba_upstream_runs_both_and_writes_their_ratio(workdir):
+    """The section with upstream's stand-in: ours and upstream's at the same flags, their steady SPS and ratio in one
+    JSON line, upstream's console in the logs, and no copy of upstream's (patched) script left in the results."""
+    stand_in, upstream_cleanba = upstream_stand_in(workdir)
+    tiny = "--local-num-envs 4 --num-steps 8 --channels 4 --hiddens 16 --num-minibatches 2 --update-epochs 1"
+    settings = {"CLEANBA_PPO": str(stand_in), "UPSTREAM_FLAGS": f"{tiny} --updates 7 --warmup-updates 5"}
+    completed = gpu_sh(workdir, ["cleanba-upstream"], settings, timeout=400)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
+    [record] = [json.loads(line) for line in (workdir / "out" / "gpu_cleanba_upstream.jsonl").read_text().splitlines()]
+    assert " ".join(record["flags"]) == (
+        "--env-id Breakout-v5 --seed 1 --local-num-envs 4 --num-actor-threads 2 --num-steps 8 --num-minibatches 2 "
+        "--update-epochs 1 --channels 4 --hiddens 16 --actor-device-ids 0 --learner-device-ids 0"
+    )
+    assert record["ours_sps"] > 0 and record["upstream_sps"] > 0
+    assert record["ours_over_upstream"] == pytest.approx(
+        record["ours_sps"] / record["upstream_sps"], rel=0.01, abs=1e-3
+    )
+    assert (record["updates"], record["upstream_updates_logged"], record["upstream_stopped_by_timeout"]) == (
+        7,
+        8,
+        False,
+    )
+    assert record["upstream_sha256"] == hashlib.sha256(stand_in.read_bytes()).hexdigest()
+    assert record["upstream_edits"] == [reason for *_, reason in upstream_cleanba.EDITS]
+    assert (workdir / "out" / "cleanba_upstream_logs" / "upstream.log").read_text().count("global_step=") == 8
+    assert sorted(str(p.relative_to(workdir / "out")) for p in (workdir / "out").rglob("*")) == [
+        "cleanba_upstream_logs",
+        "cleanba_upstream_logs/upstream.log",
+        "gpu_cleanba_upstream.jsonl",
+    ]
 
 
 @pytest.mark.slow
