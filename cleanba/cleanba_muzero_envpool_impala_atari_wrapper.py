@@ -68,7 +68,8 @@ from cleanrl_utils.replay_sizing import (
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -175,7 +176,7 @@ def validate_args(args: Args):
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
     check_replay_envs_split(args)  # each actor thread splits its envs over the learner devices
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -527,7 +528,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: MuZeroNet, args: Args) -> ActorFns:
@@ -579,9 +580,11 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs
         storage = Rollout(obs, actions, action_weights, root_values, rewards, terminations, truncations, valid)
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -765,7 +768,8 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, set_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
@@ -793,16 +797,21 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # no whole sequence in the replay yet
-            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            # the update donates its input: a copy (but the replay's) is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner.update(state, storage, train)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":
