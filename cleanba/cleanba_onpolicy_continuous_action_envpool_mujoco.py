@@ -488,7 +488,9 @@ def vmpo_loss_terms(
         projection_operator=lambda x: x,  # project_multipliers keeps them positive
         top_k_fraction=0.5,
     )
-    weights = jax.lax.dynamic_slice_in_dim(weights, jax.lax.axis_index(axis_name) * len(advantages), len(advantages))
+    # this device's samples in the gathered minibatch
+    first = jax.lax.axis_index(axis_name) * len(advantages)
+    weights = jax.lax.dynamic_slice_in_dim(weights, first, len(advantages))
     policy_loss = -(weights * new_logprobs).sum()
     temperature_loss /= jax.lax.psum(1, axis_name)
     alphas = multipliers.alpha_mean, multipliers.alpha_std

@@ -166,6 +166,9 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
         frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
         return args.learning_rate * frac
 
+    # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+    obs_rms = RunningMeanStd(np.zeros(env.observation_shape), np.ones(env.observation_shape), 1e-4)
+    return_rms = RunningMeanStd(0.0, 1.0, 1e-4)
     return agent, AgentState.create(
         apply_fn=None,
         params=agent.init(key, np.zeros((1, *env.observation_shape), np.float32)),
@@ -175,11 +178,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
                 learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
             ),
         ),
-        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
-        obs_rms=jax.tree.map(
-            np.float32, RunningMeanStd(np.zeros(env.observation_shape), np.ones(env.observation_shape), 1e-4)
-        ),
-        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+        obs_rms=jax.tree.map(np.float32, obs_rms),
+        return_rms=jax.tree.map(np.float32, return_rms),
     )
 
 

@@ -299,7 +299,8 @@ class Agent(nn.Module):
         else:
             x = MLP(self.hiddens)(x)
         scan = nn.scan(CoreStep, variable_broadcast="params", split_rngs={"params": False})
-        state, x = scan(self.core, self.lstm_size)(state, (x.reshape((num_steps, num_envs, -1)), episode_starts))
+        inputs = (x.reshape((num_steps, num_envs, -1)), episode_starts)
+        state, x = scan(self.core, self.lstm_size)(state, inputs)
         value, advantages = nn.Dense(1)(x), nn.Dense(self.action_dim)(x)
         return value + advantages - advantages.mean(-1, keepdims=True), state
 
@@ -320,7 +321,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
     obs = np.zeros((1, 1, *obs_space.shape), obs_space.dtype)  # one step of one env
     params = agent.init(key, obs, np.ones((1, 1), bool), initial_state(1, args.lstm_size))
     tx = optax.adam(args.learning_rate, eps=args.adam_eps)  # R2D2 Table 1
-    return agent, AgentState(TrainState.create(apply_fn=None, params=params, tx=tx), jax.tree.map(np.copy, params))
+    online = TrainState.create(apply_fn=None, params=params, tx=tx)
+    return agent, AgentState(online, jax.tree.map(np.copy, params))
 
 
 # ---------------------------------------------------------------- math
@@ -797,9 +799,8 @@ def main(args: Args) -> int:
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run (its replay needs no repair: the actors' first sequences start with invalid
     # rows), or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(
-        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
-    )
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
+    state, actor_threads = run.start(state, state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]

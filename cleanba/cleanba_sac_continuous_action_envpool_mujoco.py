@@ -345,7 +345,8 @@ def make_actor_fns(agent: Agent) -> ActorFns:
         mean, log_std = agent.actor.apply(params, obs)
         if explore:
             return jax.random.uniform(subkey, mean.shape, minval=-1.0, maxval=1.0), key
-        return squashed_gaussian_sample(mean, log_std, jax.random.normal(subkey, mean.shape))[0], key
+        action, _ = squashed_gaussian_sample(mean, log_std, jax.random.normal(subkey, mean.shape))
+        return action, key
 
     return ActorFns(act, None)
 
@@ -639,9 +640,8 @@ def main(args: Args) -> int:
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(
-        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
-    )
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
+    state, actor_threads = run.start(state, state_summary)
     if run.start_update:  # the actors start new episodes: the stored ones have no next observation
         state = state._replace(replay=end_stored_episodes(state.replay))
 
