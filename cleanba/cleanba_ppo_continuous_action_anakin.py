@@ -224,14 +224,10 @@ class AgentState(TrainState):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    The env returns the true last observation of an episode together with its end flag and resets on the *next*
-    step, so the value stored at t+1 is V(last observation). A termination stops the bootstrap (its value is 0 by
-    definition); a time-limit truncation is not a termination, so it bootstraps from the value of the truncated
-    state. Either end stops the lambda-trace, since the transition after it is the reset step (masked out of the
-    loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -246,9 +242,9 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 
 
 def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, gae_lambda: float):
-    """A learner device's envs of the rollout as samples: the running statistics updated with the rollout of every
-    learner device (the same on each), rewards scaled with them (as gym's NormalizeReward), advantages and returns,
-    then (time, envs) flattened; inside `shard_map` over the mesh axis "batch". Returns (agent_state, Batch)."""
+    """A learner device's envs of the rollout as samples, inside `shard_map` over the mesh axis "batch": the running
+    statistics updated with the rollout of every learner device (the same on each), rewards scaled with them (as
+    gym's NormalizeReward), advantages and returns, then (time, envs) flattened. Returns (agent_state, Batch)."""
     flat = lambda x: x.reshape((-1, *x.shape[2:]))
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")

@@ -331,14 +331,10 @@ class Batch(NamedTuple):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    envpool returns the true last observation of an episode together with its end flag and resets
-    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
-    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
-    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
-    transition after it is envpool's reset step (masked out of the loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
