@@ -3,7 +3,7 @@
 # must not change what the scripts compute ("Shape v2") prints the same lines before and after. The digests depend
 # on the processor (XLA's CPU code differs between machines): compare lines printed on one machine.
 # usage: bash benchmark/final_digests.sh > before.txt; (change the code); bash benchmark/final_digests.sh | diff before.txt -
-# (from the repository root; about 4 minutes on 2 CPU cores)
+# (from the repository root; 6 to 13 minutes on 2 shared Intel Xeon cores, measured twice on 2026-11-27)
 set -euo pipefail
 workdir=$(mktemp -d)
 trap 'rm -rf "$workdir"' EXIT
@@ -46,3 +46,7 @@ run ppo_anakin cleanba_ppo_anakin.py --local-num-envs 8 --num-steps 16 --hiddens
 run onpolicy cleanba_onpolicy_continuous_action_envpool_mujoco.py --env-id Hopper-v4 --num-actor-threads 1 \
   --local-num-envs 4 --num-steps 16 --hiddens 8 --num-minibatches 2 --update-epochs 2 --actor-device-ids 0 \
   --learner-device-ids 1 2 --policy-loss vmpo --advantage-estimator vtrace --total-timesteps 640 --seed 3
+# tests/test_anakin.py's tiny settings, the continuous script on CartpoleBalance with two learner devices, 10 updates
+run ppo_anakin_continuous cleanba_ppo_continuous_action_anakin.py --env-id CartpoleBalance --local-num-envs 8 \
+  --num-steps 16 --hiddens 16 --num-minibatches 2 --update-epochs 2 --learner-device-ids 0 1 --total-timesteps 2560 \
+  --seed 3

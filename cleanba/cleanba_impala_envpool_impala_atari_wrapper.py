@@ -59,7 +59,8 @@ from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -133,7 +134,8 @@ def validate_args(args: Args):
         )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
-    threads, learners = len(args.actor_device_ids) * args.num_actor_threads, len(args.learner_device_ids)
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    learners = len(args.learner_device_ids)
     # the env counts the split's error suggests give whole minibatches too
     check_envs_split(args, lambda envs: threads * envs // learners % args.num_minibatches == 0)
     envs_per_learner_device = threads * args.local_num_envs // learners
@@ -142,7 +144,7 @@ def validate_args(args: Args):
             f"--num-minibatches ({args.num_minibatches}) must divide the trajectories (envs) per learner "
             f"device ({envs_per_learner_device})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -265,11 +267,14 @@ class Agent(nn.Module):
                 torso = NatureCNN(channel_first, dtype)
             else:
                 torso = ImpalaCNN(self.channels, self.hiddens, channel_first, dtype)
-            actor_hidden = critic_hidden = torso(obs).astype(jnp.float32)  # the heads and losses in float32
+            # the heads and losses in float32
+            actor_hidden = critic_hidden = torso(obs).astype(jnp.float32)
         else:
-            actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+            actor_hidden = MLP(self.hiddens)(obs)
+            critic_hidden = MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        policy_init = nn.initializers.orthogonal(0.01)
+        logits = nn.Dense(self.action_dim, kernel_init=policy_init)(actor_hidden)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return logits, value.squeeze(-1)
 
@@ -358,7 +363,8 @@ def vtrace_loss_terms(
     lambdas = (1.0 - episode_ends) * jnp.where(rhos < c_bar, 1.0, c_bar / jnp.minimum(1.0, rhos))
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     vtrace = jax.vmap(partial(rlax.vtrace, clip_rho_threshold=rho_bar), in_axes=1, out_axes=1)
-    errors = vtrace(values, next_values, rewards, discounts, rhos, lambdas)  # v_s - V(x_s), targets stopped
+    # v_s - V(x_s); the targets are stopped
+    errors = vtrace(values, next_values, rewards, discounts, rhos, lambdas)
     vs = jax.lax.stop_gradient(errors + values)
     # the policy gradient's target: r_s + gamma v_{s+1}, or V(x_{s+1}) where the trace is cut by an episode end
     next_vs = jnp.where(episode_ends, next_values, jnp.concatenate([vs[1:], bootstrap_value[None]], axis=0))
@@ -382,7 +388,8 @@ def vtrace_loss(params, minibatch: Rollout, *, agent: Agent, args: Args):
     valid samples divided by the whole minibatch's count: the parts add up to the loss); inside `shard_map` over the
     mesh axis "batch". Returns (loss, (policy_loss, value_loss, entropy, approx_kl))."""
     num_steps, num_envs = minibatch.actions.shape
-    obs = jnp.concatenate([minibatch.obs, minibatch.bootstrap_obs], axis=0)  # one forward pass for all values
+    # one forward pass for all values
+    obs = jnp.concatenate([minibatch.obs, minibatch.bootstrap_obs], axis=0)
     logits, values = agent.apply(params, obs.reshape((-1, *obs.shape[2:])))
     logits = logits.reshape((num_steps + 1, num_envs, -1))[:-1]
     values = values.reshape((num_steps + 1, num_envs))
@@ -413,7 +420,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: Agent) -> ActorFns:
@@ -426,7 +433,8 @@ def make_actor_fns(agent: Agent) -> ActorFns:
         # one array: one device-to-host copy per env step instead of two (float32 holds action ids exactly)
         return jnp.stack([action.astype(jnp.float32), logprob]), key
 
-    return ActorFns(act, value=None)  # no actor-side value: the learner values the rollout's bootstrap obs
+    # no actor-side value: the learner values the rollout's bootstrap obs
+    return ActorFns(act, value=None)
 
 
 def actor_params(agent_state: TrainState):
@@ -468,10 +476,12 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs
         # the obs after the last step: the learner values it (in the same forward pass as the rollout's obs)
         storage = Rollout(obs, actions, logprobs, rewards, terminations, truncations, valid, next_obs[None])
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -532,7 +542,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         metrics = []
         for index in range(args.num_minibatches):
             agent_state, minibatch_metrics = minibatch_update(agent_state, storage, permutation, jnp.int32(index))
-            if args.sync_minibatches:  # one learner program queued at a time: inference gets between
+            # one learner program queued at a time: inference gets between
+            if args.sync_minibatches:
                 jax.block_until_ready(agent_state)
             metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
@@ -564,7 +575,9 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     def act(params, obs, key):
         logits, _ = agent.apply(params, obs)
         key, subkey = jax.random.split(key)
-        return (jnp.argmax(logits, axis=-1) if greedy else jax.random.categorical(subkey, logits)), key
+        if greedy:
+            return jnp.argmax(logits, axis=-1), key
+        return jax.random.categorical(subkey, logits), key
 
     def policy(obs: np.ndarray, key: jax.Array):
         actions, key = act(params, obs, key)
@@ -578,7 +591,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    check_int32_counts(args, {"optimizer steps": ("--num-minibatches", args.num_minibatches)})  # the schedule's count
+    # the learning rate schedule's count
+    check_int32_counts(args, {"optimizer steps": ("--num-minibatches", args.num_minibatches)})
 
 
 def state_summary(state: LearnerState) -> str:
@@ -588,14 +602,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, check_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner_update = make_learner_update(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key)
+    state, actor_threads = run.start(state, state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
@@ -612,15 +628,20 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
-            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            # the update donates its input: a copy is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner_update(state, storage)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

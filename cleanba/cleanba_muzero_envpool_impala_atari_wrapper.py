@@ -68,7 +68,8 @@ from cleanrl_utils.replay_sizing import (
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -175,7 +176,7 @@ def validate_args(args: Args):
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
     check_replay_envs_split(args)  # each actor thread splits its envs over the learner devices
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -249,7 +250,9 @@ class Representation(nn.Module):
     def __call__(self, obs):
         if self.obs_layout == "vector":
             return scale_hidden(nn.Dense(self.embedding_size)(MLP(self.hiddens)(obs)))
-        x = (jnp.transpose(obs, (0, 2, 3, 1)) if self.obs_layout == "chw" else obs).astype(jnp.float32) / 255.0
+        if self.obs_layout == "chw":
+            obs = jnp.transpose(obs, (0, 2, 3, 1))
+        x = obs.astype(jnp.float32) / 255.0
         x = ResidualBlock(self.channels[0])(nn.Conv(self.channels[0], (3, 3), strides=(2, 2))(x))
         x = ResidualBlock(self.channels[1])(nn.Conv(self.channels[1], (3, 3), strides=(2, 2))(x))
         x = ResidualBlock(self.channels[1])(nn.avg_pool(x, (3, 3), strides=(2, 2), padding="SAME"))
@@ -281,7 +284,8 @@ class Dynamics(nn.Module):
                 x = ResidualBlock(hidden.shape[-1])(x)
             next_hidden, x = x, x.reshape((x.shape[0], -1))
         # zero-initialized heads: the first predictions are the support's middle (0), not noise
-        reward_logits = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)(MLP(self.hiddens)(x))
+        reward_hidden = MLP(self.hiddens)(x)
+        reward_logits = nn.Dense(self.num_bins, kernel_init=nn.initializers.zeros)(reward_hidden)
         return scale_hidden(next_hidden), reward_logits
 
 
@@ -462,7 +466,8 @@ def unroll_model(params, *, agent: MuZeroNet, obs, actions):
     policy_logits, value_logits = agent.apply(params, hidden, method=MuZeroNet.predict)
     outputs = [(policy_logits, value_logits, jnp.zeros_like(value_logits))]
     for k in range(actions.shape[1]):
-        hidden = 0.5 * hidden + 0.5 * jax.lax.stop_gradient(hidden)  # paper Appendix G: gradient into g halved
+        # paper Appendix G: the gradient into g halved
+        hidden = 0.5 * hidden + 0.5 * jax.lax.stop_gradient(hidden)
         hidden, reward_logits = agent.apply(params, hidden, actions[:, k], method=MuZeroNet.dynamics)
         outputs.append((*agent.apply(params, hidden, method=MuZeroNet.predict), reward_logits))
     return tuple(jnp.stack(x, axis=1) for x in zip(*outputs))
@@ -472,7 +477,8 @@ def run_search(params, key, root: mctx.RootFnOutput, recurrent_fn: Callable, con
     """One batched mctx search (`config`: --search, --num-simulations and that search's options): (action, action
     weights, root value) of each batch row."""
     if config.search == "gumbel":
-        policy, options = mctx.gumbel_muzero_policy, {"max_num_considered_actions": config.max_num_considered_actions}
+        policy = mctx.gumbel_muzero_policy
+        options = {"max_num_considered_actions": config.max_num_considered_actions}
     else:
         policy = mctx.muzero_policy
         options = {name: getattr(config, name) for name in ("dirichlet_alpha", "dirichlet_fraction", "temperature")}
@@ -527,7 +533,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: MuZeroNet, args: Args) -> ActorFns:
@@ -562,8 +568,10 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
             if update != thread.start_update + 2 or not args.concurrency:
                 params, actor_policy_version = thread.get(params_queue)
         with timer("rollout_time"):
-            obs, actions = np.empty((*shape, *obs_space.shape), obs_space.dtype), np.empty(shape, np.int32)
-            action_weights, valid = np.empty((*shape, int(envs.action_space.n)), np.float32), np.empty(shape, bool)
+            obs = np.empty((*shape, *obs_space.shape), obs_space.dtype)
+            actions = np.empty(shape, np.int32)
+            action_weights = np.empty((*shape, int(envs.action_space.n)), np.float32)
+            valid = np.empty(shape, bool)
             root_values, rewards, terminations, truncations = (np.empty(shape, np.float32) for _ in range(4))
             for step in range(num_steps):
                 thread.check_stopped()
@@ -579,9 +587,11 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs
         storage = Rollout(obs, actions, action_weights, root_values, rewards, terminations, truncations, valid)
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -600,7 +610,8 @@ class LearnerState(NamedTuple):
 def muzero_gradient_step(agent_state: TrainState, sequences: Rollout, *, agent: MuZeroNet, args: Args):
     """One MuZero step (paper Appendix G) on a learner device's part of the global minibatch, inside `shard_map` over
     the mesh axis "batch": the loss is the global mean over roots, gradients summed over the devices."""
-    normalizer = jnp.maximum(jax.lax.psum(sequences.valid[:, 0].sum(), "batch"), 1).astype(jnp.float32)
+    roots = jax.lax.psum(sequences.valid[:, 0].sum(), "batch")
+    normalizer = jnp.maximum(roots, 1).astype(jnp.float32)
     # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
     # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
     local_params = jax.lax.pcast(agent_state.params, "batch", to="varying")
@@ -614,16 +625,18 @@ def muzero_gradient_step(agent_state: TrainState, sequences: Rollout, *, agent: 
 class LearnerFns(NamedTuple):
     init_replay: Callable  # () -> the empty replay, sharded along the env axis over the mesh
     update: Callable  # (state: LearnerState, rollout, train) -> (state, metrics)
-    gradient_step: Callable  # (agent_state, sequences) -> (agent_state, metrics): one step on a given global minibatch
+    # (agent_state, sequences) -> (agent_state, metrics): one step on a given global minibatch
+    gradient_step: Callable
 
 
 def make_replay_buffer(args: Args, num_learner_devices: int, global_envs: int, local: bool):
     """flashbax's trajectory buffer (sequences of K + n + 1 consecutive rows of one env, never across the write
     position) of one learner device (`local`: the envs of its shard, its share of each minibatch) or of the mesh."""
     envs = global_envs // num_learner_devices if local else global_envs
+    sample_batch_size = args.minibatch_size // num_learner_devices if local else args.minibatch_size
     return flashbax.make_trajectory_buffer(
         add_batch_size=envs,
-        sample_batch_size=args.minibatch_size // num_learner_devices if local else args.minibatch_size,
+        sample_batch_size=sample_batch_size,
         sample_sequence_length=sequence_length(args),
         period=1,
         min_length_time_axis=sequence_length(args),
@@ -636,7 +649,8 @@ def replay_item(args: Args) -> Rollout:
     obs_space, action_space = env_spaces(args.env_id, args.env_options)
     obs, zero = jnp.zeros(obs_space.shape, obs_space.dtype), jnp.float32(0)
     # obs, actions, action_weights, then root_values, rewards, terminations, truncations (float32) and valid
-    return Rollout(obs, jnp.int32(0), jnp.zeros(int(action_space.n)), zero, zero, zero, zero, jnp.bool_(False))
+    action_weights = jnp.zeros(int(action_space.n))
+    return Rollout(obs, jnp.int32(0), action_weights, zero, zero, zero, zero, jnp.bool_(False))
 
 
 def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
@@ -659,7 +673,8 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
 
     def local_update(agent_state: TrainState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
-        replay = local_buffer.add(replay, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), storage))  # (envs, T, ...)
+        env_major = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), storage)  # (envs, T, ...)
+        replay = local_buffer.add(replay, env_major)
         if not train:
             return agent_state, replay, {}
 
@@ -701,9 +716,11 @@ def end_stored_episodes(replay):
     episode's first row. Mark the row before it truncated (its n-step targets bootstrap from the newest row's stored
     root value, the search value of that observation) and the newest row not valid (never a root)."""
     length = replay.experience.valid.shape[1]
-    newest, before = (replay.current_index - 1) % length, (replay.current_index - 2) % length
+    newest = (replay.current_index - 1) % length
+    before = (replay.current_index - 2) % length
     experience = replay.experience
-    valid, truncations = experience.valid.at[:, newest].set(False), experience.truncations.at[:, before].set(1.0)
+    valid = experience.valid.at[:, newest].set(False)
+    truncations = experience.truncations.at[:, before].set(1.0)
     return replay.replace(experience=experience._replace(valid=valid, truncations=truncations))
 
 
@@ -715,7 +732,8 @@ def end_stored_episodes(replay):
 
 def saved_model(state: LearnerState) -> dict:
     """What --save-model writes next to the flags: what `make_eval_policy` reads."""
-    return {"params": to_state_dict(local_value(state.agent.params))}  # the model: the search needs all of it
+    # the model: the search needs all of it
+    return {"params": to_state_dict(local_value(state.agent.params))}
 
 
 def make_eval_policy(args: Args, model: dict, greedy: bool):
@@ -726,8 +744,10 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
     def policy(obs: np.ndarray, key: jax.Array):
         search_output, key = act(params, obs, key)
-        search_output = np.asarray(search_output)  # as in `rollout`: action, root value, action weights
-        return (np.argmax(search_output[:, 2:], axis=-1) if greedy else search_output[:, 0]).astype(np.int32), key
+        # as in `rollout`: action, root value, action weights
+        search_output = np.asarray(search_output)
+        actions = np.argmax(search_output[:, 2:], axis=-1) if greedy else search_output[:, 0]
+        return actions.astype(np.int32), key
 
     return policy
 
@@ -740,7 +760,8 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # learning starts in the first update after which every env's replay rows hold one whole sequence (K + n + 1)
     args.learning_starts_updates = -(-sequence_length(args) // args.num_steps) - 1
-    global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
+    global_envs = args.batch_size // args.num_steps
+    num_learner_devices = len(layout.global_learner_devices)
     check_minibatch_split(args.minibatch_size, num_learner_devices)
     rows, new_rows = args.buffer_size // global_envs, max(args.num_steps, sequence_length(args))
     if rows < new_rows:
@@ -765,16 +786,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, set_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(
-        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
-    )
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
+    state, actor_threads = run.start(state, state_summary)
     if run.start_update:  # the actors start new episodes: the newest stored rows end theirs
         state = state._replace(replay=end_stored_episodes(state.replay))
 
@@ -793,16 +814,21 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # no whole sequence in the replay yet
-            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            # the update donates its input: a copy (but the replay's) is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner.update(state, storage, train)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

@@ -100,7 +100,7 @@ def validate_args(args: Args):
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
             f"(--num-steps x --local-num-envs = {args.num_steps} x {args.local_num_envs})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -137,13 +137,15 @@ class MinAtarTorso(nn.Module):
     def __call__(self, x):
         x = x.astype(jnp.float32)
         batch, height, width, _ = x.shape
-        padded = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))  # SAME for a 2x2 kernel: a row and a column after
+        # SAME for a 2x2 kernel: a row and a column after
+        padded = jnp.pad(x, ((0, 0), (0, 1), (0, 1), (0, 0)))
         patches = jnp.concatenate([padded[:, i : i + height, j : j + width] for i in (0, 1) for j in (0, 1)], -1)
         x = nn.relu(nn.Dense(32, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(patches))
         # pgx's `hk.avg_pool(x, window_shape=(2, 2), strides=(2, 2))`: haiku reads a window shorter than the input's
         # rank as one over its last axes, so it averages pairs of columns and pairs of channels and keeps every row
         x = x.reshape(batch, height, width // 2, 2, -1, 2).mean((3, 5))
-        return nn.relu(nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((batch, -1))))
+        x = nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((batch, -1)))
+        return nn.relu(x)
 
 
 class Agent(nn.Module):
@@ -152,14 +154,16 @@ class Agent(nn.Module):
 
     action_dim: int
     hiddens: Sequence[int]
-    observation_kind: str  # "symbolic" (xminigrid's views: the MLPs read them flattened) or "image" (MinAtar)
+    # "symbolic" (xminigrid's views: the MLPs read them flattened) or "image" (MinAtar)
+    observation_kind: str
 
     @nn.compact
     def __call__(self, obs):
         x = MinAtarTorso()(obs) if self.observation_kind == "image" else obs
         actor_hidden, critic_hidden = MLP(self.hiddens)(x), MLP(self.hiddens)(x)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        policy_init = nn.initializers.orthogonal(0.01)
+        logits = nn.Dense(self.action_dim, kernel_init=policy_init)(actor_hidden)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return logits, value.squeeze(-1)
 
@@ -216,14 +220,10 @@ class Batch(NamedTuple):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    The env returns the true last observation of an episode together with its end flag and resets on the *next*
-    step, so the value stored at t+1 is V(last observation). A termination stops the bootstrap (its value is 0 by
-    definition); a time-limit truncation is not a termination, so it bootstraps from the value of the truncated
-    state. Either end stops the lambda-trace, since the transition after it is the reset step (masked out of the
-    loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -258,7 +258,8 @@ def normalize_advantages(advantages, valid, axis_name: str):
     learner device summed over `axis_name`: the same update on any number of learner devices."""
     count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
     mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
-    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    squared_deviations = jnp.where(valid, (advantages - mean) ** 2, 0).sum()
+    std = jnp.sqrt(jax.lax.psum(squared_deviations, axis_name) / count)
     return (advantages - mean) / (std + 1e-8)
 
 
@@ -334,11 +335,13 @@ def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
 class EnvState(NamedTuple):
     """The envs and what the logger reads of them; every field has the env axis first (sharded over the devices)."""
 
-    state: object  # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
-    action_keys: jax.Array  # each env's own key for its actions: the same stream on any device layout
+    # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
+    state: object
+    action_keys: jax.Array  # each env's own key for its actions: one stream on any layout
     episode_returns: jax.Array  # of the episode under way
     episode_lengths: jax.Array
-    returned_episode_returns: jax.Array  # of each env's last finished episode (NaN before its first), as logged
+    # of each env's last finished episode (NaN before its first), as logged
+    returned_episode_returns: jax.Array
     returned_episode_lengths: jax.Array
 
 
@@ -360,7 +363,8 @@ def rollout(*, agent: Agent, env, params, envs: EnvState, num_steps: int) -> tup
 
     def step(envs: EnvState, _):
         keys = jax.vmap(jax.random.split)(envs.action_keys)
-        obs, valid = jax.vmap(env.observation)(envs.state), ~episode_ended(envs.state)  # after an end: the reset step
+        obs = jax.vmap(env.observation)(envs.state)
+        valid = ~episode_ended(envs.state)  # after an end: the reset step
         logits, value = agent.apply(params, obs)
         action = jax.vmap(jax.random.categorical)(keys[:, 1], logits)
         logprob = jax.nn.log_softmax(logits)[jnp.arange(action.shape[0]), action]
@@ -498,7 +502,9 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     def act(params, obs, key):
         logits, _ = agent.apply(params, obs)
         key, subkey = jax.random.split(key)
-        return (jnp.argmax(logits, axis=-1) if greedy else jax.random.categorical(subkey, logits)), key
+        if greedy:
+            return jnp.argmax(logits, axis=-1), key
+        return jax.random.categorical(subkey, logits), key
 
     def policy(obs: np.ndarray, key: jax.Array):
         actions, key = act(params, obs, key)
@@ -515,7 +521,8 @@ def check_runtime_values(args: Args, layout: DeviceLayout):
     importing the JAX env libraries (xminigrid, pgx, Craftax) starts JAX's backend (their constants are arrays), so
     the ids are checked once the devices and jax.distributed have started, in every process."""
     check_env_id(args.env_id, discrete=True)
-    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    # Adam's steps per update
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)
     check_int32_counts(args, {"optimizer steps": schedule})
 
 
@@ -526,7 +533,8 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = AnakinRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = AnakinRun(args, __file__, check_runtime_values)
     # every key is the same in every process: each env's keys are its own slice of envs_key's split
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
@@ -536,7 +544,8 @@ def main(args: Args) -> int:
     learner_update = make_learner_update(args, agent, env, run.mesh)
     # replicated over the mesh as the update returns them: the second update does not compile anew
     state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
-    state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
+    # the newest checkpoint of the run (the envs too), or this fresh state
+    state = run.start(state, state_summary)
 
     # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
     # SIGTERM or Ctrl-C (cleanrl_utils/preemption.py): the update in flight is finished and logged (with several
@@ -544,12 +553,14 @@ def main(args: Args) -> int:
     # run exits 143 (130 for Ctrl-C): the same command resumes it.
     with run.supervise():
         for update in run.updates():
-            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            # the update donates its input: a copy is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner_update(state)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
             # log (with this process's envs' episodes); checkpoint every --checkpoint-frequency
             run.end_update(update, state, metrics, episode_stats(state.envs))
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def validate_args(args: Args):
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
             f"(--num-steps x --local-num-envs = {args.num_steps} x {args.local_num_envs})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -145,10 +145,13 @@ class Agent(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        actor_hidden = MLP(self.hiddens)(obs)
+        critic_hidden = MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
-        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
+        policy_init = nn.initializers.orthogonal(0.01)
+        action_mean = nn.Dense(self.action_dim, kernel_init=policy_init)(actor_hidden)
+        # std 1 at the start
+        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return action_mean, action_logstd, value.squeeze(-1)
 
@@ -163,6 +166,9 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
         frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
         return args.learning_rate * frac
 
+    # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+    obs_rms = RunningMeanStd(np.zeros(env.observation_shape), np.ones(env.observation_shape), 1e-4)
+    return_rms = RunningMeanStd(0.0, 1.0, 1e-4)
     return agent, AgentState.create(
         apply_fn=None,
         params=agent.init(key, np.zeros((1, *env.observation_shape), np.float32)),
@@ -172,11 +178,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
                 learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
             ),
         ),
-        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
-        obs_rms=jax.tree.map(
-            np.float32, RunningMeanStd(np.zeros(env.observation_shape), np.ones(env.observation_shape), 1e-4)
-        ),
-        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+        obs_rms=jax.tree.map(np.float32, obs_rms),
+        return_rms=jax.tree.map(np.float32, return_rms),
     )
 
 
@@ -221,14 +224,10 @@ class AgentState(TrainState):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    The env returns the true last observation of an episode together with its end flag and resets on the *next*
-    step, so the value stored at t+1 is V(last observation). A termination stops the bootstrap (its value is 0 by
-    definition); a time-limit truncation is not a termination, so it bootstraps from the value of the truncated
-    state. Either end stops the lambda-trace, since the transition after it is the reset step (masked out of the
-    loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -243,9 +242,9 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 
 
 def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, gae_lambda: float):
-    """A learner device's envs of the rollout as samples: the running statistics updated with the rollout of every
-    learner device (the same on each), rewards scaled with them (as gym's NormalizeReward), advantages and returns,
-    then (time, envs) flattened; inside `shard_map` over the mesh axis "batch". Returns (agent_state, Batch)."""
+    """A learner device's envs of the rollout as samples, inside `shard_map` over the mesh axis "batch": the running
+    statistics updated with the rollout of every learner device (the same on each), rewards scaled with them (as
+    gym's NormalizeReward), advantages and returns, then (time, envs) flattened. Returns (agent_state, Batch)."""
     flat = lambda x: x.reshape((-1, *x.shape[2:]))
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
@@ -273,7 +272,8 @@ def normalize_advantages(advantages, valid, axis_name: str):
     learner device summed over `axis_name`: the same update on any number of learner devices."""
     count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
     mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
-    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    squared_deviations = jnp.where(valid, (advantages - mean) ** 2, 0).sum()
+    std = jnp.sqrt(jax.lax.psum(squared_deviations, axis_name) / count)
     return (advantages - mean) / (std + 1e-8)
 
 
@@ -351,12 +351,14 @@ def ppo_loss(params, minibatch: Batch, *, agent: Agent, args: Args):
 class EnvState(NamedTuple):
     """The envs and what the logger reads of them; every field has the env axis first (sharded over the devices)."""
 
-    state: object  # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
-    action_keys: jax.Array  # each env's own key for its actions: the same stream on any device layout
+    # the env library's state of each env (cleanrl_utils.jax_envs), its last transition included
+    state: object
+    action_keys: jax.Array  # each env's own key for its actions: one stream on any layout
     discounted_returns: jax.Array  # of the episode so far: its std scales the rewards
     episode_returns: jax.Array  # of the episode under way
     episode_lengths: jax.Array
-    returned_episode_returns: jax.Array  # of each env's last finished episode (NaN before its first), as logged
+    # of each env's last finished episode (NaN before its first), as logged
+    returned_episode_returns: jax.Array
     returned_episode_lengths: jax.Array
 
 
@@ -380,7 +382,8 @@ def rollout(*, agent: Agent, env, agent_state: AgentState, envs: EnvState, num_s
 
     def step(envs: EnvState, _):
         keys = jax.vmap(jax.random.split)(envs.action_keys)
-        raw_obs, valid = jax.vmap(env.observation)(envs.state), ~episode_ended(envs.state)  # after an end: the reset
+        raw_obs = jax.vmap(env.observation)(envs.state)
+        valid = ~episode_ended(envs.state)  # after an end: the reset step
         obs = normalize_obs(agent_state.obs_rms, raw_obs)
         action_mean, action_logstd, value = agent.apply(agent_state.params, obs)
         noise = jax.vmap(lambda key: jax.random.normal(key, action_mean.shape[1:]))(keys[:, 1])
@@ -442,7 +445,7 @@ def episode_stats(envs: EnvState) -> dict:
 class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
-    agent: AgentState  # params, optimizer state and running statistics, replicated over the learner devices
+    agent: AgentState  # params, optimizer state and running statistics, replicated
     key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
     envs: EnvState  # the envs, sharded along the env axis over the learner devices
 
@@ -491,7 +494,8 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
         envs, storage = rollout(
             agent=agent, env=env, agent_state=agent_state, envs=envs, num_steps=args.num_steps, gamma=args.gamma
         )
-        agent_state, batch = batch_of(agent_state, storage)  # the running statistics updated with the rollout
+        # the running statistics updated with the rollout
+        agent_state, batch = batch_of(agent_state, storage)
         agent_state, key, metrics = learn(batch, agent_state, key)
         metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
@@ -534,8 +538,9 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
         agent_params, obs_rms = params
         action_mean, action_logstd, _ = agent.apply(agent_params, normalize_obs(obs_rms, obs))
         key, subkey = jax.random.split(key)
-        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
-        return jnp.clip(action_mean + noise, env.action_low, env.action_high), key
+        noise = jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        action = action_mean if greedy else action_mean + noise
+        return jnp.clip(action, env.action_low, env.action_high), key
 
     def policy(obs: np.ndarray, key: jax.Array):
         actions, key = act(params, np.asarray(obs, np.float32), key)
@@ -552,7 +557,8 @@ def check_runtime_values(args: Args, layout: DeviceLayout):
     importing MuJoCo Playground starts JAX's backend, so the ids are checked once the devices and jax.distributed
     have started, in every process."""
     check_env_id(args.env_id, discrete=False)
-    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    # Adam's steps per update
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)
     check_int32_counts(args, {"optimizer steps": schedule})
 
 
@@ -563,7 +569,8 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = AnakinRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = AnakinRun(args, __file__, check_runtime_values)
     # every key is the same in every process: each env's keys are its own slice of envs_key's split
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
@@ -573,7 +580,8 @@ def main(args: Args) -> int:
     learner_update = make_learner_update(args, agent, env, run.mesh)
     # replicated over the mesh as the update returns them: the second update does not compile anew
     state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
-    state = run.start(state, state_summary)  # the newest checkpoint of the run (the envs too), or this fresh state
+    # the newest checkpoint of the run (the envs too), or this fresh state
+    state = run.start(state, state_summary)
 
     # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
     # SIGTERM or Ctrl-C (cleanrl_utils/preemption.py): the update in flight is finished and logged (with several
@@ -581,12 +589,14 @@ def main(args: Args) -> int:
     # run exits 143 (130 for Ctrl-C): the same command resumes it.
     with run.supervise():
         for update in run.updates():
-            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            # the update donates its input: a copy is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner_update(state)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
             # log (with this process's envs' episodes); checkpoint every --checkpoint-frequency
             run.end_update(update, state, metrics, episode_stats(state.envs))
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

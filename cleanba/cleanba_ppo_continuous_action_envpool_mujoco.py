@@ -57,7 +57,8 @@ from cleanrl_utils.normalization import (
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -115,7 +116,8 @@ def validate_args(args: Args):
     )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=False, env_options=args.env_options)
-    threads, learners = len(args.actor_device_ids) * args.num_actor_threads, len(args.learner_device_ids)
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    learners = len(args.learner_device_ids)
     # the env counts the split's error suggests give whole minibatches too
     check_envs_split(args, lambda envs: args.num_steps * threads * envs // learners % args.num_minibatches == 0)
     envs_per_learner_device = threads * args.local_num_envs // learners
@@ -124,7 +126,7 @@ def validate_args(args: Args):
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
             f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -167,24 +169,36 @@ class Agent(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+        actor_hidden = MLP(self.hiddens)(obs)
+        critic_hidden = MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        action_mean = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
-        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))  # std 1 at start
+        policy_init = nn.initializers.orthogonal(0.01)
+        action_mean = nn.Dense(self.action_dim, kernel_init=policy_init)(actor_hidden)
+        # std 1 at the start
+        action_logstd = self.param("actor_logstd", nn.initializers.zeros, (self.action_dim,))
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return action_mean, action_logstd, value.squeeze(-1)
 
 
+def make_network(args: Args) -> Agent:
+    """The actor-critic for --env-id's action space."""
+    space = env_spaces(args.env_id, args.env_options)[1]
+    return Agent(int(np.prod(space.shape)), tuple(args.hiddens))
+
+
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
     """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
-    obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    obs_space = env_spaces(args.env_id, args.env_options)[0]
+    agent = make_network(args)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
         frac = 1.0 - (count // (args.num_minibatches * args.update_epochs)) / args.num_updates
         return args.learning_rate * frac
 
+    # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
+    obs_rms = RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)
+    return_rms = RunningMeanStd(0.0, 1.0, 1e-4)
     return agent, AgentState.create(
         apply_fn=None,
         params=agent.init(key, np.zeros((1, *obs_space.shape), np.float32)),
@@ -194,9 +208,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
                 learning_rate=linear_schedule if args.anneal_lr else args.learning_rate, eps=1e-5
             ),
         ),
-        # a tiny initial count as in baselines' RunningMeanStd: the first rollout replaces the initial mean 0, var 1
-        obs_rms=jax.tree.map(np.float32, RunningMeanStd(np.zeros(obs_space.shape), np.ones(obs_space.shape), 1e-4)),
-        return_rms=jax.tree.map(np.float32, RunningMeanStd(0.0, 1.0, 1e-4)),
+        obs_rms=jax.tree.map(np.float32, obs_rms),
+        return_rms=jax.tree.map(np.float32, return_rms),
     )
 
 
@@ -241,14 +254,10 @@ class AgentState(TrainState):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    envpool returns the true last observation of an episode together with its end flag and resets
-    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
-    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
-    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
-    transition after it is envpool's reset step (masked out of the loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -263,9 +272,9 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 
 
 def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, gae_lambda: float):
-    """A learner device's envs of the rollout as samples: the running statistics updated with the rollout of every
-    learner device (the same on each), rewards scaled with them (as gym's NormalizeReward), advantages and returns,
-    then (time, envs) flattened; inside `shard_map` over the mesh axis "batch". Returns (agent_state, Batch)."""
+    """A learner device's envs of the rollout as samples, inside `shard_map` over the mesh axis "batch": the running
+    statistics updated with the rollout of every learner device (the same on each), rewards scaled with them (as
+    gym's NormalizeReward), advantages and returns, then (time, envs) flattened. Returns (agent_state, Batch)."""
     flat = lambda x: x.reshape((-1, *x.shape[2:]))
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
@@ -293,7 +302,8 @@ def normalize_advantages(advantages, valid, axis_name: str):
     learner device summed over `axis_name`: the same update on any number of learner devices."""
     count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
     mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
-    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    squared_deviations = jnp.where(valid, (advantages - mean) ** 2, 0).sum()
+    std = jnp.sqrt(jax.lax.psum(squared_deviations, axis_name) / count)
     return (advantages - mean) / (std + 1e-8)
 
 
@@ -372,13 +382,14 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: Agent) -> ActorFns:
     @jax.jit
     def act(params, obs, key):
-        agent_params, obs_rms = params  # each params version comes with the observation statistics of its time
+        # each params version comes with the observation statistics of its time
+        agent_params, obs_rms = params
         obs = normalize_obs(obs_rms, obs)
         action_mean, action_logstd, value = agent.apply(agent_params, obs)
         key, subkey = jax.random.split(key)
@@ -409,7 +420,8 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
     action_space, action_dim = envs.action_space, envs.action_space.shape[0]
     next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
-    discounted_return = np.zeros(num_envs, dtype=np.float32)  # of each env so far: its std scales the rewards
+    # of each env so far: its std scales the rewards
+    discounted_return = np.zeros(num_envs, dtype=np.float32)
     episodes, timer = EpisodeStats(num_envs), StageTimer()
     for update in range(thread.start_update + 1, args.num_updates + 1):
         with timer("params_queue_get_time"):
@@ -440,14 +452,16 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs.astype(np.float32)
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs.astype(np.float32)
                     discounted_returns[step] = discounted_return = discounted_return * args.gamma + reward
                     discounted_return *= ~previous_episode_end
             with timer("inference_time"):
                 bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
         fields = obs, raw_obs, actions, logprobs, values, rewards, discounted_returns, terminations, truncations
         storage = Rollout(*fields, valid, bootstrap_value)
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -458,7 +472,7 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
 class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
-    agent: AgentState  # params, optimizer state and running statistics, replicated over the learner devices
+    agent: AgentState  # params, optimizer state and running statistics, replicated
     key: jax.Array  # the learner's PRNG key (minibatch shuffles), the same in every process
 
 
@@ -492,7 +506,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
 
     batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
-    batch_of = jax.jit(shard_map(batch_of, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs)))
+    batch_of = shard_map(batch_of, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs))
+    batch_of = jax.jit(batch_of)
     minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
     minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
     minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
@@ -536,7 +551,7 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
     statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
     action_space = env_spaces(args.env_id, args.env_options)[1]
-    agent = Agent(int(np.prod(action_space.shape)), tuple(args.hiddens))
+    agent = make_network(args)
     obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
     params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
 
@@ -545,8 +560,9 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
         agent_params, obs_rms = params
         action_mean, action_logstd, _ = agent.apply(agent_params, normalize_obs(obs_rms, obs))
         key, subkey = jax.random.split(key)
-        noise = 0.0 if greedy else jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
-        return jnp.clip(action_mean + noise, action_space.low, action_space.high), key
+        noise = jnp.exp(action_logstd) * jax.random.normal(subkey, action_mean.shape)
+        action = action_mean if greedy else action_mean + noise
+        return jnp.clip(action, action_space.low, action_space.high), key
 
     def policy(obs: np.ndarray, key: jax.Array):
         actions, key = act(params, np.asarray(obs, np.float32), key)
@@ -560,7 +576,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    # Adam's steps per update
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)
     check_int32_counts(args, {"optimizer steps": schedule})
 
 
@@ -574,14 +591,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, check_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner_update = make_learner_update(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key)
+    state, actor_threads = run.start(state, state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
@@ -598,15 +617,20 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
-            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            # the update donates its input: a copy is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner_update(state, storage)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -127,7 +128,8 @@ def validate_args(args: Args):
     )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
-    threads, learners = len(args.actor_device_ids) * args.num_actor_threads, len(args.learner_device_ids)
+    threads = len(args.actor_device_ids) * args.num_actor_threads
+    learners = len(args.learner_device_ids)
     # the env counts the split's error suggests give whole minibatches too
     check_envs_split(args, lambda envs: args.num_steps * threads * envs // learners % args.num_minibatches == 0)
     envs_per_learner_device = threads * args.local_num_envs // learners
@@ -136,7 +138,7 @@ def validate_args(args: Args):
             f"--num-minibatches ({args.num_minibatches}) must divide the samples per learner device "
             f"(--num-steps x envs per learner device = {args.num_steps} x {envs_per_learner_device})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -259,11 +261,14 @@ class Agent(nn.Module):
                 torso = NatureCNN(channel_first, dtype)
             else:
                 torso = ImpalaCNN(self.channels, self.hiddens, channel_first, dtype)
-            actor_hidden = critic_hidden = torso(obs).astype(jnp.float32)  # the heads and losses in float32
+            # the heads and losses in float32
+            actor_hidden = critic_hidden = torso(obs).astype(jnp.float32)
         else:
-            actor_hidden, critic_hidden = MLP(self.hiddens)(obs), MLP(self.hiddens)(obs)
+            actor_hidden = MLP(self.hiddens)(obs)
+            critic_hidden = MLP(self.hiddens)(obs)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
-        logits = nn.Dense(self.action_dim, kernel_init=nn.initializers.orthogonal(0.01))(actor_hidden)
+        policy_init = nn.initializers.orthogonal(0.01)
+        logits = nn.Dense(self.action_dim, kernel_init=policy_init)(actor_hidden)
         value = nn.Dense(1, kernel_init=nn.initializers.orthogonal(1.0))(critic_hidden)
         return logits, value.squeeze(-1)
 
@@ -326,14 +331,10 @@ class Batch(NamedTuple):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays.
-
-    envpool returns the true last observation of an episode together with its end flag and resets
-    on the *next* step, so the value stored at t+1 is V(last observation). A termination stops the
-    bootstrap (its value is 0 by definition); a time-limit truncation is not a termination, so it
-    bootstraps from the value of the truncated state. Either end stops the lambda-trace, since the
-    transition after it is envpool's reset step (masked out of the loss by `valid`).
-    """
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
+    observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
+    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -368,7 +369,8 @@ def normalize_advantages(advantages, valid, axis_name: str):
     learner device summed over `axis_name`: the same update on any number of learner devices."""
     count = jnp.maximum(jax.lax.psum(valid.sum(), axis_name), 1)
     mean = jax.lax.psum(jnp.where(valid, advantages, 0).sum(), axis_name) / count
-    std = jnp.sqrt(jax.lax.psum(jnp.where(valid, (advantages - mean) ** 2, 0).sum(), axis_name) / count)
+    squared_deviations = jnp.where(valid, (advantages - mean) ** 2, 0).sum()
+    std = jnp.sqrt(jax.lax.psum(squared_deviations, axis_name) / count)
     return (advantages - mean) / (std + 1e-8)
 
 
@@ -445,7 +447,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: Agent) -> ActorFns:
@@ -504,11 +506,13 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     rewards[step], terminations[step], truncations[step] = reward, terminated, truncated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs
             with timer("inference_time"):
                 bootstrap_value = np.asarray(actor_fns.value(params, next_obs))[None]
         storage = Rollout(obs, actions, logprobs, values, rewards, terminations, truncations, valid, bootstrap_value)
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -571,7 +575,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
             permutation = shuffle(shuffle_key)
             for index in range(args.num_minibatches):
                 agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation, jnp.int32(index))
-                if args.sync_minibatches:  # one learner program queued at a time: inference gets between
+                # one learner program queued at a time: inference gets between
+                if args.sync_minibatches:
                     jax.block_until_ready(agent_state)
                 metrics.append(minibatch_metrics)
         metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
@@ -603,7 +608,9 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     def act(params, obs, key):
         logits, _ = agent.apply(params, obs)
         key, subkey = jax.random.split(key)
-        return (jnp.argmax(logits, axis=-1) if greedy else jax.random.categorical(subkey, logits)), key
+        if greedy:
+            return jnp.argmax(logits, axis=-1), key
+        return jax.random.categorical(subkey, logits), key
 
     def policy(obs: np.ndarray, key: jax.Array):
         actions, key = act(params, obs, key)
@@ -617,7 +624,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
 
 def check_runtime_values(args: Args, layout: DeviceLayout):
     """Checks of what the run derives from the flags and the layout (the batch: cleanrl_utils.flags)."""
-    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)  # Adam's steps
+    # Adam's steps per update
+    schedule = ("--update-epochs x --num-minibatches", args.update_epochs * args.num_minibatches)
     check_int32_counts(args, {"optimizer steps": schedule})
 
 
@@ -628,14 +636,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, check_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, check_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner_update = make_learner_update(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(LearnerState(replicate(agent_state, run.mesh), learner_key), state_summary)
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key)
+    state, actor_threads = run.start(state, state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
@@ -652,15 +662,20 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
-            before = run.copy_learner_state(state)  # the update donates its input: kept in case it diverges
+            # the update donates its input: a copy is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner_update(state, storage)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

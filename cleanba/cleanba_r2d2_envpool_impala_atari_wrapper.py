@@ -71,7 +71,8 @@ from cleanrl_utils.replay_sizing import (
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -147,7 +148,8 @@ def validate_args(args: Args):
         positive=["learning_rate", "adam_eps", "replay_ratio"],
         unit_interval=["gamma", "priority_exponent", "importance_exponent", "priority_eta"],
         positive_int_lists=["channels", "hiddens"],
-        ranges={"target_update_period": (1, INT32_MAX)},  # optax.periodic_update: against the int32 step in jit
+        # optax.periodic_update compares it with the int32 step in jit
+        ranges={"target_update_period": (1, INT32_MAX)},
     )
     # one line if the family is not ours, an option is not its own, or it cannot start here
     check_env_id(args.env_id, discrete=True, env_options=args.env_options)
@@ -170,7 +172,7 @@ def validate_args(args: Args):
             f"least --sequence-length ({length})"
         )
     check_replay_envs_split(args)  # each actor thread splits its envs over the learner devices
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -226,7 +228,9 @@ class ImpalaCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        x = (jnp.transpose(x, (0, 2, 3, 1)) if self.channel_first else x).astype(jnp.float32) / 255.0
+        if self.channel_first:
+            x = jnp.transpose(x, (0, 2, 3, 1))
+        x = x.astype(jnp.float32) / 255.0
         for channels in self.channels:
             x = ConvSequence(channels)(x)
         x = nn.relu(x)
@@ -295,7 +299,8 @@ class Agent(nn.Module):
         else:
             x = MLP(self.hiddens)(x)
         scan = nn.scan(CoreStep, variable_broadcast="params", split_rngs={"params": False})
-        state, x = scan(self.core, self.lstm_size)(state, (x.reshape((num_steps, num_envs, -1)), episode_starts))
+        inputs = (x.reshape((num_steps, num_envs, -1)), episode_starts)
+        state, x = scan(self.core, self.lstm_size)(state, inputs)
         value, advantages = nn.Dense(1)(x), nn.Dense(self.action_dim)(x)
         return value + advantages - advantages.mean(-1, keepdims=True), state
 
@@ -316,7 +321,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, AgentState]:
     obs = np.zeros((1, 1, *obs_space.shape), obs_space.dtype)  # one step of one env
     params = agent.init(key, obs, np.ones((1, 1), bool), initial_state(1, args.lstm_size))
     tx = optax.adam(args.learning_rate, eps=args.adam_eps)  # R2D2 Table 1
-    return agent, AgentState(TrainState.create(apply_fn=None, params=params, tx=tx), jax.tree.map(np.copy, params))
+    online = TrainState.create(apply_fn=None, params=params, tx=tx)
+    return agent, AgentState(online, jax.tree.map(np.copy, params))
 
 
 # ---------------------------------------------------------------- math
@@ -337,7 +343,8 @@ class Rollout(NamedTuple):
     truncations: np.ndarray
     valid: np.ndarray
     episode_starts: np.ndarray
-    start_cells: np.ndarray  # (sequences, envs, --lstm-size): the LSTM state before each sequence's first row
+    # (sequences, envs, --lstm-size): the LSTM state before each sequence's first row
+    start_cells: np.ndarray
     start_hiddens: np.ndarray
 
 
@@ -417,7 +424,8 @@ def r2d2_loss(params, *, agent: Agent, target_params, sequences: Rollout, weight
     q = unroll(agent, params, sequences, burn_in)
     target_q = unroll(agent, target_params, sequences, burn_in)
     rows = {name: getattr(sequences, name)[:-1] for name in ("rewards", "terminations", "truncations")}
-    next_q = {"online_next_q": q[1:], "target_next_q": target_q[1:]}  # Q of each transition's next row
+    # Q of each transition's next row
+    next_q = {"online_next_q": q[1:], "target_next_q": target_q[1:]}
     targets = jax.lax.stop_gradient(n_step_double_q_targets(**rows, **next_q, gamma=gamma, n_step=n_step))
     taken_q = jnp.take_along_axis(q[:-1], sequences.actions[:-1, :, None], axis=-1).squeeze(-1)
     td = targets - taken_q
@@ -433,7 +441,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, episode_starts, state, epsilons, key) -> (actions, state, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: Agent) -> ActorFns:
@@ -459,9 +467,11 @@ def first_rows(args: Args, obs_space) -> Rollout:
     """What comes before an actor's first rollout: --sequence-length / 2 rows that are not valid (each an episode
     start) and the zero state before them."""
     shape = (args.sequence_length // 2, args.local_num_envs)
-    obs = np.zeros((*shape, *obs_space.shape), np.uint8 if obs_space.dtype == np.uint8 else np.float32)
+    obs_dtype = np.uint8 if obs_space.dtype == np.uint8 else np.float32
+    obs = np.zeros((*shape, *obs_space.shape), obs_dtype)
     floats = [np.zeros(shape, np.float32) for _ in range(3)]  # rewards, terminations, truncations
-    states = [np.zeros((1, shape[1], args.lstm_size), np.float32) for _ in range(2)]  # cells, hiddens
+    # the cells and hiddens
+    states = [np.zeros((1, shape[1], args.lstm_size), np.float32) for _ in range(2)]
     return Rollout(obs, np.zeros(shape, np.int32), *floats, np.zeros(shape, bool), np.ones(shape, bool), *states)
 
 
@@ -480,12 +490,15 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
     envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
     key = thread.key(key)
     num_envs, num_steps, period = args.local_num_envs, args.num_steps, args.sequence_length // 2
-    env_indices = thread.global_index * num_envs + np.arange(num_envs)  # among the envs of every thread and process
+    # among the envs of every thread and process
+    env_indices = thread.global_index * num_envs + np.arange(num_envs)
     epsilons = jax.device_put(apex_epsilons(env_indices, args.batch_size // num_steps), thread.device)
     next_obs, _ = envs.reset()
     state = jax.device_put(initial_state(num_envs, args.lstm_size), thread.device)
-    next_episode_starts, previous_episode_end = np.ones(num_envs, dtype=bool), np.zeros(num_envs, dtype=bool)
-    rows, episodes, timer = first_rows(args, envs.observation_space), EpisodeStats(num_envs), StageTimer()
+    next_episode_starts = np.ones(num_envs, dtype=bool)
+    previous_episode_end = np.zeros(num_envs, dtype=bool)
+    rows = first_rows(args, envs.observation_space)
+    episodes, timer = EpisodeStats(num_envs), StageTimer()
     for update in range(thread.start_update + 1, args.num_updates + 1):
         with timer("params_queue_get_time"):
             # skipping the second get makes the actor exactly one policy version behind the learner
@@ -507,15 +520,18 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     row = period + step
                     rows.obs[row], rows.actions[row], rows.rewards[row] = next_obs, action, reward
                     rows.terminations[row], rows.truncations[row] = terminated, truncated
-                    rows.valid[row], rows.episode_starts[row] = ~previous_episode_end, next_episode_starts
+                    rows.valid[row] = ~previous_episode_end
+                    rows.episode_starts[row] = next_episode_starts
                     episodes.step(reward, terminated, truncated, info, counted=rows.valid[row])
                     # the row after envpool's reset step starts a new episode (the reset step's row still holds the
                     # ended episode's true last observation: its Q, with the old state, is a truncation's bootstrap)
                     next_episode_starts = previous_episode_end
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs
         # the last sequence start is the next rollout's first: it is not shipped
         storage = rows._replace(start_cells=rows.start_cells[:-1], start_hiddens=rows.start_hiddens[:-1])
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -526,9 +542,10 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
 class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
-    agent: AgentState  # online params, Adam state and target params, replicated over the learner devices
+    agent: AgentState  # online params, Adam state and target params, replicated
     key: jax.Array  # the learner's PRNG key (minibatch samples), the same in every process
-    replay: flashbax.buffers.prioritised_trajectory_buffer.PrioritisedTrajectoryBufferState  # one shard per device
+    # one shard per learner device
+    replay: flashbax.buffers.prioritised_trajectory_buffer.PrioritisedTrajectoryBufferState
 
 
 class Minibatch(NamedTuple):
@@ -542,7 +559,8 @@ class Minibatch(NamedTuple):
 class LearnerFns(NamedTuple):
     init_replay: Callable  # () -> the empty replay, sharded along the env axis over the mesh
     update: Callable  # (state: LearnerState, rollout, train) -> (state, metrics)
-    gradient_step: Callable  # (agent_state, minibatch) -> (agent_state, metrics, priorities): on a global minibatch
+    # (agent_state, minibatch) -> (agent_state, metrics, priorities): one step on a given global minibatch
+    gradient_step: Callable
 
 
 def r2d2_gradient_step(agent_state: AgentState, minibatch: Minibatch, *, agent: Agent, args: Args):
@@ -556,7 +574,8 @@ def r2d2_gradient_step(agent_state: AgentState, minibatch: Minibatch, *, agent: 
     sampled = minibatch.scaled_probabilities > 0
     probabilities = jnp.where(sampled, minibatch.scaled_probabilities, 1.0)
     weights = jnp.where(sampled, importance_weights(probabilities, args.importance_exponent), 0.0)
-    weights = weights / jax.lax.pmax(weights.max(), "batch")  # the largest weight of the global minibatch is 1
+    # the largest weight of the global minibatch is 1
+    weights = weights / jax.lax.pmax(weights.max(), "batch")
     # this device's gradient: pcast marks the replicated params as per-device, so that the sum over
     # devices is the explicit psum below (shard_map would otherwise sum it implicitly)
     local_params = jax.lax.pcast(agent_state.online.params, "batch", to="varying")
@@ -605,7 +624,8 @@ def replay_item(args: Args) -> Rollout:
     """One sequence as the replay stores it: --sequence-length rows and the LSTM state before them."""
     obs_space, _ = env_spaces(args.env_id, args.env_options)
     length = args.sequence_length
-    obs = jnp.zeros((length, *obs_space.shape), jnp.uint8 if obs_space.dtype == np.uint8 else jnp.float32)
+    obs_dtype = jnp.uint8 if obs_space.dtype == np.uint8 else jnp.float32
+    obs = jnp.zeros((length, *obs_space.shape), obs_dtype)
     floats, flags, state = jnp.zeros(length), jnp.zeros(length, bool), jnp.zeros(args.lstm_size)
     # obs, actions, then rewards, terminations, truncations; valid, episode_starts; start_cells, start_hiddens
     return Rollout(obs, jnp.zeros(length, jnp.int32), floats, floats, floats, flags, flags, state, state)
@@ -626,7 +646,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
     replicated, sharded_envs, sharded_samples = P(), P(None, "batch"), P("batch")
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
-    minibatch_specs = Minibatch(Rollout(*([sharded_samples] * len(Rollout._fields))), sharded_samples)
+    sample_specs = Rollout(*([sharded_samples] * len(Rollout._fields)))
+    minibatch_specs = Minibatch(sample_specs, sharded_samples)
     num_devices, capacity = mesh.devices.size, replay_capacity(args, mesh.devices.size)
     local_buffer = make_replay_buffer(args, num_devices)
     item = replay_item(args)
@@ -636,8 +657,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     shard_map = partial(jax.shard_map, mesh=mesh, check_vma=False)
     local_gradient_step = partial(r2d2_gradient_step, agent=agent, args=args)
 
-    def init_replay():
-        return jax.jit(jax.shard_map(lambda: local_buffer.init(item), mesh=mesh, in_specs=(), out_specs=replay_specs))()
+    init_shard = lambda: local_buffer.init(item)
+    init_replay = jax.jit(jax.shard_map(init_shard, mesh=mesh, in_specs=(), out_specs=replay_specs))
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
         """Per device: its envs' sequences into its replay shard, then --replay-ratio x batch gradient steps, each
@@ -648,7 +669,8 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
 
         def step(carry, step_key):
             agent_state, replay = carry
-            sample = local_buffer.sample(replay, jax.random.fold_in(step_key, jax.lax.axis_index("batch")))
+            device_key = jax.random.fold_in(step_key, jax.lax.axis_index("batch"))
+            sample = local_buffer.sample(replay, device_key)
             stored = jnp.where(replay.is_full, capacity, replay.current_index)
             minibatch = Minibatch(sample.experience, stored * sample.probabilities)
             agent_state, metrics, priorities = local_gradient_step(agent_state, minibatch)
@@ -696,7 +718,8 @@ EVAL_EPSILON = 0.01
 
 def saved_model(state: LearnerState) -> dict:
     """What --save-model writes next to the flags: what `make_eval_policy` reads."""
-    return {"params": to_state_dict(local_value(state.agent.online.params))}  # the Q network: what evaluation needs
+    # the Q network: what evaluation needs
+    return {"params": to_state_dict(local_value(state.agent.online.params))}
 
 
 def make_eval_policy(args: Args, model: dict, greedy: bool) -> RecurrentPolicy:
@@ -712,7 +735,8 @@ def make_eval_policy(args: Args, model: dict, greedy: bool) -> RecurrentPolicy:
         def __call__(self, obs: np.ndarray, key: jax.Array):
             if self.state is None:
                 self.state = initial_state(len(obs), args.lstm_size)
-                self.episode_starts, self.previous_end = np.ones(len(obs), bool), np.zeros(len(obs), bool)
+                self.episode_starts = np.ones(len(obs), bool)
+                self.previous_end = np.zeros(len(obs), bool)
             epsilons = jnp.full(len(obs), epsilon)
             actions, self.state, key = act(params, obs, self.episode_starts, self.state, epsilons, key)
             self.episode_starts = self.previous_end
@@ -732,7 +756,8 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's sequences are in the replay before its gradient steps sample it
     args.learning_starts_updates = args.learning_starts // args.batch_size
-    global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
+    global_envs = args.batch_size // args.num_steps
+    num_learner_devices = len(layout.global_learner_devices)
     check_minibatch_split(args.minibatch_size, num_learner_devices)
     new_sequences = global_envs * args.num_steps // (args.sequence_length // 2) // num_learner_devices
     needed = max(new_sequences, args.minibatch_size // num_learner_devices)
@@ -765,7 +790,8 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, set_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
@@ -773,9 +799,8 @@ def main(args: Args) -> int:
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run (its replay needs no repair: the actors' first sequences start with invalid
     # rows), or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(
-        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
-    )
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
+    state, actor_threads = run.start(state, state_summary)
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
@@ -792,16 +817,21 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # the replay is still filling up
-            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            # the update donates its input: a copy (but the replay's) is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner.update(state, storage, train)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

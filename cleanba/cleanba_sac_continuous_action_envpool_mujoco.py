@@ -60,7 +60,8 @@ from cleanrl_utils.replay_sizing import (
 from cleanrl_utils.run import SebulbaRun
 from cleanrl_utils.saved_model import check_save_model_flags
 
-warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")  # envpool's Box spaces
+# envpool's Box spaces warn that they cast to float32
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
 
 
 @dataclass
@@ -133,7 +134,7 @@ def validate_args(args: Args):
         raise UsageError(
             f"--buffer-size ({args.buffer_size}) must be at least --minibatch-size ({args.minibatch_size})"
         )
-    check_save_model_flags(args, __file__)  # --capture-video, --upload-model: checked before training
+    check_save_model_flags(args, __file__)  # --capture-video, --upload-model, before training
 
 
 # ---------------------------------------------------------------- environments
@@ -292,7 +293,8 @@ def sac_losses(
     (critic, actor, temperature). Each loss sees the other parameters as constants (stop_gradient)."""
     sg = jax.lax.stop_gradient
     alpha = jnp.exp(sg(log_alpha))
-    next_actions, next_logprobs = squashed_gaussian_sample(*agent.actor.apply(sg(actor_params), next_obs), next_noise)
+    next_mean, next_log_std = agent.actor.apply(sg(actor_params), next_obs)
+    next_actions, next_logprobs = squashed_gaussian_sample(next_mean, next_log_std, next_noise)
     next_q1, next_q2 = agent.critic.apply(target_critic_params, next_obs, next_actions)
     targets = sg(
         soft_bellman_target(
@@ -306,10 +308,13 @@ def sac_losses(
         )
     )
     q1, q2 = agent.critic.apply(critic_params, batch.obs, batch.actions)
-    critic_loss = masked_mean((q1 - targets) ** 2 + (q2 - targets) ** 2, weights, normalizer)  # as CleanRL
-    actions, logprobs = squashed_gaussian_sample(*agent.actor.apply(actor_params, batch.obs), noise)
+    # as CleanRL's: the two critics' squared errors summed
+    critic_loss = masked_mean((q1 - targets) ** 2 + (q2 - targets) ** 2, weights, normalizer)
+    mean, log_std = agent.actor.apply(actor_params, batch.obs)
+    actions, logprobs = squashed_gaussian_sample(mean, log_std, noise)
     pi_q1, pi_q2 = agent.critic.apply(sg(critic_params), batch.obs, actions)
-    actor_loss = masked_mean(alpha * logprobs - jnp.minimum(pi_q1, pi_q2), weights, normalizer)  # paper Eq. 7
+    # paper Eq. 7
+    actor_loss = masked_mean(alpha * logprobs - jnp.minimum(pi_q1, pi_q2), weights, normalizer)
     # paper Eq. 18: J(alpha) = E[-alpha (log pi + target entropy)]: alpha grows while the entropy is below target
     alpha_loss = masked_mean(-jnp.exp(log_alpha) * (sg(logprobs) + target_entropy), weights, normalizer) * autotune
     metrics = {
@@ -329,7 +334,7 @@ class ActorFns(NamedTuple):
     """The actor's jitted inference, run on the device its inputs live on (the same fields in every script)."""
 
     act: Callable  # (params, obs, key) -> (one stacked array of the step's outputs, key)
-    value: Callable | None  # (params, obs) -> V(obs) for the rollout's bootstrap; None where the learner values it
+    value: Callable | None  # (params, obs) -> V(obs), the bootstrap's; None: the learner values it
 
 
 def make_actor_fns(agent: Agent) -> ActorFns:
@@ -340,7 +345,8 @@ def make_actor_fns(agent: Agent) -> ActorFns:
         mean, log_std = agent.actor.apply(params, obs)
         if explore:
             return jax.random.uniform(subkey, mean.shape, minval=-1.0, maxval=1.0), key
-        return squashed_gaussian_sample(mean, log_std, jax.random.normal(subkey, mean.shape))[0], key
+        action, _ = squashed_gaussian_sample(mean, log_std, jax.random.normal(subkey, mean.shape))
+        return action, key
 
     return ActorFns(act, None)
 
@@ -369,7 +375,8 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
             actions = np.empty((num_steps, num_envs, *action_space.shape), dtype=np.float32)
             rewards, terminations = (np.empty((num_steps, num_envs), dtype=np.float32) for _ in range(2))
             valid = np.empty((num_steps, num_envs), dtype=bool)
-            explore = update <= args.learning_starts_updates  # uniformly random actions until learning starts
+            # uniformly random actions until learning starts
+            explore = update <= args.learning_starts_updates
             for step in range(num_steps):
                 thread.check_stopped()
                 with timer("inference_time"):
@@ -383,9 +390,11 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
                     obs[step], actions[step], rewards[step], terminations[step] = next_obs, action, reward, terminated
                     valid[step] = ~previous_episode_end
                     episodes.step(reward, terminated, truncated, info, counted=valid[step])
-                    previous_episode_end, next_obs = np.logical_or(terminated, truncated), step_obs.astype(np.float32)
+                    previous_episode_end = np.logical_or(terminated, truncated)
+                    next_obs = step_obs.astype(np.float32)
         storage = Rollout(obs, actions, rewards, terminations, valid)
-        storage = split_for_learners(storage, thread.learner_devices)  # one host-to-device copy per learner device
+        # one host-to-device copy per learner device
+        storage = split_for_learners(storage, thread.learner_devices)
         with timer("rollout_queue_put_time"):  # logged with the next rollout
             thread.put(rollout_queue, (storage, actor_policy_version, {**timer.read(), **episodes.read()}))
 
@@ -397,7 +406,7 @@ class LearnerState(NamedTuple):
     """What the learner carries from update to update, and what a checkpoint holds."""
 
     agent: AgentState  # params, targets and optimizer states, replicated over the learner devices
-    key: jax.Array  # the learner's PRNG key (minibatch samples, policy noise), the same in every process
+    key: jax.Array  # the learner's PRNG key (minibatches, policy noise), the same in every process
     replay: flashbax.buffers.trajectory_buffer.TrajectoryBufferState  # sharded along the env axis
 
 
@@ -413,7 +422,8 @@ class Minibatch(NamedTuple):
 class LearnerFns(NamedTuple):
     init_replay: Callable  # () -> the empty replay, sharded along the env axis over the mesh
     update: Callable  # (state: LearnerState, rollout, train) -> (state, metrics)
-    gradient_step: Callable  # (agent_state, minibatch) -> (agent_state, metrics): one step on a given global minibatch
+    # (agent_state, minibatch) -> (agent_state, metrics): one step on a given global minibatch
+    gradient_step: Callable
 
 
 def sac_gradient_step(agent_state: AgentState, minibatch: Minibatch, *, agent: Agent, args: Args):
@@ -457,12 +467,13 @@ def make_replay_buffer(args: Args, num_learner_devices: int, global_envs: int, l
     """flashbax's flat buffer (pairs of consecutive rows of each env) of one learner device (`local`: the envs of
     its shard, its share of the capacity and of each minibatch) or of the whole mesh (to create it)."""
     envs = global_envs // num_learner_devices if local else global_envs
+    sample_batch_size = args.minibatch_size // num_learner_devices if local else args.minibatch_size
     return flashbax.make_flat_buffer(
         max_length=args.buffer_size // global_envs * envs,
         min_length=envs,
         add_sequences=True,
         add_batch_size=envs,
-        sample_batch_size=args.minibatch_size // num_learner_devices if local else args.minibatch_size,
+        sample_batch_size=sample_batch_size,
     )
 
 
@@ -483,30 +494,30 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
     replicated, sharded_envs, sharded_samples = P(), P(None, "batch"), P("batch")
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
+    sample_specs = Rollout(*([sharded_samples] * len(Rollout._fields)))
     replay_specs = flashbax.buffers.trajectory_buffer.TrajectoryBufferState(
-        experience=Rollout(*([sharded_samples] * len(Rollout._fields))), current_index=replicated, is_full=replicated
+        experience=sample_specs, current_index=replicated, is_full=replicated
     )
-    minibatch_specs = Minibatch(Rollout(*([sharded_samples] * len(Rollout._fields))), *([sharded_samples] * 3))
+    minibatch_specs = Minibatch(sample_specs, *([sharded_samples] * 3))
     num_devices, global_envs = mesh.devices.size, args.batch_size // args.num_steps
     local_buffer = make_replay_buffer(args, num_devices, global_envs, local=True)
     local_gradient_step = partial(sac_gradient_step, agent=agent, args=args)
 
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
-        return jax.jit(make_replay_buffer(args, num_devices, global_envs, local=False).init, out_shardings=shardings)(
-            replay_item(args)
-        )
+        global_buffer = make_replay_buffer(args, num_devices, global_envs, local=False)
+        return jax.jit(global_buffer.init, out_shardings=shardings)(replay_item(args))
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
-        replay = local_buffer.add(replay, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), storage))  # (envs, T, ...)
+        env_major = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), storage)  # (envs, T, ...)
+        replay = local_buffer.add(replay, env_major)
         if not train:
             return agent_state, replay, {}
 
         def step(agent_state, step_key):
-            sample_key, noise_key, next_noise_key = jax.random.split(
-                jax.random.fold_in(step_key, jax.lax.axis_index("batch")), 3
-            )
+            device_key = jax.random.fold_in(step_key, jax.lax.axis_index("batch"))
+            sample_key, noise_key, next_noise_key = jax.random.split(device_key, 3)
             pairs = local_buffer.sample(replay, sample_key).experience
             noise = (jax.random.normal(k, pairs.first.actions.shape) for k in (noise_key, next_noise_key))
             return local_gradient_step(agent_state, Minibatch(pairs.first, pairs.second.obs, *noise))
@@ -533,12 +544,10 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         metrics["stats/gradient_steps"] = args.gradient_steps * train
         return LearnerState(agent_state, key, replay), metrics
 
-    gradient_step = jax.jit(
-        jax.shard_map(
-            local_gradient_step, mesh=mesh, in_specs=(replicated, minibatch_specs), out_specs=(replicated, replicated)
-        )
+    gradient_step = jax.shard_map(
+        local_gradient_step, mesh=mesh, in_specs=(replicated, minibatch_specs), out_specs=(replicated, replicated)
     )
-    return LearnerFns(init_replay, update, gradient_step)
+    return LearnerFns(init_replay, update, jax.jit(gradient_step))
 
 
 @jax.jit
@@ -546,7 +555,8 @@ def end_stored_episodes(replay):
     """After a resume the actors start new episodes: the newest stored row of each env has no next observation in
     the replay (the next row will be a new episode's first), so its transition must not be learned."""
     newest = (replay.current_index - 1) % replay.experience.valid.shape[1]
-    return replay.replace(experience=replay.experience._replace(valid=replay.experience.valid.at[:, newest].set(False)))
+    valid = replay.experience.valid.at[:, newest].set(False)
+    return replay.replace(experience=replay.experience._replace(valid=valid))
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
@@ -557,7 +567,8 @@ def end_stored_episodes(replay):
 
 def saved_model(state: LearnerState) -> dict:
     """What --save-model writes next to the flags: what `make_eval_policy` reads."""
-    return {"params": to_state_dict(local_value(state.agent.actor.params))}  # the policy: what evaluation needs
+    # the policy: what evaluation needs
+    return {"params": to_state_dict(local_value(state.agent.actor.params))}
 
 
 def make_eval_policy(args: Args, model: dict, greedy: bool):
@@ -593,7 +604,8 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's rollout is all a replay holds after it: with one step per rollout, it has no pair yet
     args.learning_starts_updates = max(-(-args.learning_starts // args.batch_size), int(args.num_steps == 1))
-    global_envs, num_learner_devices = args.batch_size // args.num_steps, len(layout.global_learner_devices)
+    global_envs = args.batch_size // args.num_steps
+    num_learner_devices = len(layout.global_learner_devices)
     check_minibatch_split(args.minibatch_size, num_learner_devices)
     if args.buffer_size // global_envs < max(args.num_steps, 2):
         raise UsageError(
@@ -620,16 +632,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    run = SebulbaRun(args, __file__, set_runtime_values)  # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals
+    run = SebulbaRun(args, __file__, set_runtime_values)
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
-    state, actor_threads = run.start(
-        LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay()), state_summary
-    )
+    state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
+    state, actor_threads = run.start(state, state_summary)
     if run.start_update:  # the actors start new episodes: the stored ones have no next observation
         state = state._replace(replay=end_stored_episodes(state.replay))
 
@@ -648,16 +660,21 @@ def main(args: Args) -> int:
     # An actor's failure is raised by `run.supervise()`, with its traceback.
     with run.supervise():
         for update in run.updates():
-            outputs = run.get_rollouts(rollout_queues)  # every thread's; the actor skipped one params get
+            # every actor thread's rollout (each skipped one params get: it acts one version behind)
+            outputs = run.get_rollouts(rollout_queues)
             storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
             train = update > args.learning_starts_updates  # random actions' data only, so far
-            before = run.copy_learner_state(state)  # the update donates its input: kept (but the replay) if it diverges
+            # the update donates its input: a copy (but the replay's) is kept in case it diverges
+            before = run.copy_learner_state(state)
             state, metrics = learner.update(state, storage, train)
-            metrics = run.wait_for_finite(update, state, metrics, before)  # NaN or inf: checkpoints `before`, stops
-            if update < args.num_updates:  # the actors get version `update` only now that it is finite
+            # NaN or inf: checkpoints `before` and stops the run
+            metrics = run.wait_for_finite(update, state, metrics, before)
+            # the actors get version `update` only now that it is finite
+            if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
-            run.end_update(update, state, metrics, outputs)  # log; checkpoint every --checkpoint-frequency
-    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, the exit code
+            # logged; checkpointed every --checkpoint-frequency
+            run.end_update(update, state, metrics, outputs)
+    return run.finish(state, saved_model)  # final checkpoint and digests, --save-model, exit code
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ and learner device p L + l holds the global envs [(p L + l) T E/L, (p L + l + 1)
 of the whole global rollout (advantages per env, statistics and gradients summed over the mesh, one minibatch per
 epoch) is therefore the same for the same global rollout on any number of learner devices and processes; several
 minibatches per epoch differ between layouts, because each learner device shuffles its own samples.
+
+An Anakin run has no actor threads: its envs are one array, env axis sharded over the same mesh, so the learner
+device at mesh position i steps the global envs [i E, (i + 1) E) of its E = --local-num-envs (`anakin_layout_lines`).
 """
 
 
@@ -39,6 +42,11 @@ def device_name(device) -> str:
     return f"{device.platform}:{device.id}"
 
 
+def mesh_line(mesh) -> str:
+    """The first line of a run's layout: the learner devices of every process in mesh order."""
+    return f"learner mesh (axis batch, in order): {', '.join(map(device_name, mesh.devices.flat))}"
+
+
 def layout_lines(*, mesh, learner_devices: list, thread_devices: list, local_num_envs: int) -> list[str]:
     """What a Sebulba run prints when it starts, in this process: the learner mesh in its order, then each actor
     thread's device and where its envs go: slice l of its --local-num-envs to local learner device l, at the global
@@ -47,7 +55,7 @@ def layout_lines(*, mesh, learner_devices: list, thread_devices: list, local_num
 
     process, num_learners, num_threads = jax.process_index(), len(learner_devices), len(thread_devices)
     per_learner = local_num_envs // num_learners
-    lines = [f"learner mesh (axis batch, in order): {', '.join(map(device_name, mesh.devices.flat))}"]
+    lines = [mesh_line(mesh)]
     for thread, device in enumerate(thread_devices):
         slices = []
         for learner, learner_device in enumerate(learner_devices):
@@ -55,6 +63,21 @@ def layout_lines(*, mesh, learner_devices: list, thread_devices: list, local_num
             local = f"{learner * per_learner}-{(learner + 1) * per_learner - 1}"
             slices.append(f"envs {local} -> {device_name(learner_device)} (global {start}-{start + per_learner - 1})")
         lines.append(f"process {process} actor thread {thread} on {device_name(device)}: {', '.join(slices)}")
+    return lines
+
+
+def anakin_layout_lines(*, mesh, local_num_envs: int) -> list[str]:
+    """What an Anakin run prints when it starts, in this process: the learner mesh in its order, then each of this
+    process's learner devices and the envs it steps, at their global indices (env i is reset with key i of the
+    run's split, so the global index names the env on any layout)."""
+    import jax
+
+    lines = [mesh_line(mesh)]
+    for position, device in enumerate(mesh.devices.flat):
+        if device.process_index == jax.process_index():
+            first = position * local_num_envs
+            envs = f"envs 0-{local_num_envs - 1} (global {first}-{first + local_num_envs - 1})"
+            lines.append(f"process {device.process_index} learner device {device_name(device)}: {envs}")
     return lines
 
 

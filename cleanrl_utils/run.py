@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_get, queue_put
 from cleanrl_utils.checkpoints import Checkpoints
-from cleanrl_utils.data_path import layout_lines
+from cleanrl_utils.data_path import anakin_layout_lines, layout_lines
 from cleanrl_utils.devices import copies_for_devices, device_layout, envpool_num_threads
 from cleanrl_utils.divergence import Diverged, all_finite, copy_state
 from cleanrl_utils.flags import computation_flags, derive_batch_values, settable_flags
@@ -320,6 +320,14 @@ class AnakinRun(Run):
     @staticmethod
     def env_copies(args, layout) -> dict:
         return {"env_copies": len(layout.learner_devices), "copies_flags": "learner devices (--learner-device-ids)"}
+
+    def start(self, state, summary: Callable[[object], str]):
+        """`Run.start`, then the layout printed: the learner mesh in order, each of this process's learner devices
+        and the global indices of the envs it steps (cleanrl_utils/data_path.py)."""
+        state = super().start(state, summary)
+        lines = anakin_layout_lines(mesh=self.mesh, local_num_envs=self.args.local_num_envs)
+        print("\n".join(lines), flush=True)
+        return state
 
     def end_update(self, update: int, state, metrics: dict, episode_stats: dict):
         """The update's scalars and this process's envs' `episode_stats` (as `EpisodeStats.read()` gives them)

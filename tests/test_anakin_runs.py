@@ -108,6 +108,13 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, e
     assert sorted(p.name for p in shared.iterdir() if p.name != ".lock") == ["10", "5"]
     digests = [final_digests(out) for _, out, _ in results]
     assert digests[0] == digests[1], "the processes' states differ"
+    # each process first prints the layout: the mesh (process 0's device first), its learner device and its 8 envs'
+    # global indices
+    for process, (_, out, _) in enumerate(results):
+        assert re.search(r"^learner mesh \(axis batch, in order\): cpu:\d+, cpu:\d+$", out, re.MULTILINE), out[:2000]
+        first = 8 * process
+        envs = rf"envs 0-7 \(global {first}-{first + 7}\)"
+        assert re.search(rf"^process {process} learner device cpu:\d+: {envs}$", out, re.MULTILINE), out[:2000]
     if env_id != FAMILIES[0]:
         return
     saved = DIGESTS.search(re.search(r"checkpoint saved: update=5 .*", results[0][1]).group(0)).groups()
@@ -122,6 +129,7 @@ def test_two_processes_hold_identical_params_and_step_the_envs_of_one(workdir, e
     resumed = DIGESTS.search(re.search(r"resumed from checkpoint: update=5 .*", one.stdout).group(0)).groups()
     assert resumed == saved
     assert final_digests(one.stdout)[1] == digests[0][1]
+    assert "process 0 learner device cpu:1: envs 0-7 (global 8-15)" in one.stdout  # the same envs, on one process
 
 
 @pytest.mark.slow

@@ -503,6 +503,29 @@ def test_the_data_path_puts_each_env_where_its_docstring_says(learner_device_ids
             assert device == f"cpu:{learner_devices[int(local) // per_learner].id}"
 
 
+@pytest.mark.parametrize("learner_device_ids", [[1, 3], [3, 1]])
+def test_the_anakin_layout_lines_say_where_the_envs_array_puts_each_env(learner_device_ids):
+    """An Anakin run's start-up lines: the mesh in order, then each learner device's envs at the global indices where
+    the envs array, env axis sharded over the mesh as the scripts' reset_envs lays it out, holds them."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cleanrl_utils.data_path import anakin_layout_lines, learner_mesh
+
+    mesh, _ = learner_mesh(learner_device_ids)
+    envs = jax.device_put(np.arange(3 * mesh.size), NamedSharding(mesh, P("batch")))
+    lines = anakin_layout_lines(mesh=mesh, local_num_envs=3)
+    assert lines == [
+        "learner mesh (axis batch, in order): cpu:1, cpu:3",
+        "process 0 learner device cpu:1: envs 0-2 (global 0-2)",
+        "process 0 learner device cpu:3: envs 0-2 (global 3-5)",
+    ]
+    for line in lines[1:]:
+        device, first, last = re.search(r"device (cpu:\d): envs 0-2 \(global (\d+)-(\d+)\)", line).groups()
+        shard = next(shard for shard in envs.addressable_shards if f"cpu:{shard.device.id}" == device)
+        np.testing.assert_array_equal(np.asarray(shard.data), np.arange(int(first), int(last) + 1))
+
+
 def test_logger_writes_every_update_and_prints_every_log_frequency(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     logger = RunLogger(
