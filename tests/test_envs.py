@@ -175,6 +175,21 @@ def test_env_spaces_are_what_the_envs_return(env_id, shape):
     assert obs.shape == (2, *shape)
 
 
+def test_dm_control_steps_at_the_suites_control_timestep():
+    """A WalkerWalk step is dm_control's 25 ms control step (10 physics steps of 2.5 ms; Tassa et al. 2018): with zero
+    actions the walker falls from its start (torso height about 1.3) below 0.6 within 100 steps (2.5 s). Overriding
+    envpool's frame_skip to 1 made a step one 2.5 ms physics step: 100 steps are then 0.25 s, and a free fall of 0.7 m
+    alone takes 0.38 s."""
+    envs = env_families.make_envpool("WalkerWalk-v1", seed=0, num_envs=4)
+    obs, _ = envs.reset()
+    heights = [obs[:, 0]]  # cleanrl_utils.envs' sorted keys: height, orientations (14), velocity (9)
+    for _ in range(100):
+        obs, *_ = envs.step(np.zeros((4, *envs.action_space.shape)))
+        heights.append(obs[:, 0])
+    heights = np.stack(heights)
+    assert np.all(heights[0] > 1.1) and np.all(heights.min(0) < 0.6), heights[[0, 25, 50, 100]]
+
+
 @pytest.mark.parametrize(
     "env_id,discrete", [("CartPole-v1", True), ("Pendulum-v1", False), ("CheetahRun-v1", False), ("Breakout-v5", True)]
 )

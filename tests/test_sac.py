@@ -237,11 +237,11 @@ def test_gradient_step_is_the_same_on_one_and_on_two_devices():
 
 
 def test_make_env_flattens_dm_control_and_takes_env_options():
-    # WalkerWalk's dict (orientations 14, height 1, velocity 9) as one vector, cleanrl_utils.envs' key order;
+    # WalkerWalk's dict (height 1, orientations 14, velocity 9) as one vector, in cleanrl_utils.envs' sorted key order;
     # --env-options reach envpool: 3-step episodes instead of dm_control's 1000
     envs = sac.make_env("WalkerWalk-v1", seed=0, num_envs=2, env_options=["max_episode_steps=3"])
     obs, _ = envs.reset()
-    assert obs.shape == (2, 14 + 1 + 9) == (2, *sac.env_spaces("WalkerWalk-v1")[0].shape)
+    assert obs.shape == (2, 1 + 14 + 9) == (2, *sac.env_spaces("WalkerWalk-v1")[0].shape)
     truncations = [envs.step(np.zeros((2, 6)))[3].tolist() for _ in range(3)]
     assert truncations == [[False, False], [False, False], [True, True]]
 
