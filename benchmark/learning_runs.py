@@ -266,12 +266,17 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
         if env_id in published:
             mean = published[env_id][0]
             ax.axhline(mean, color="black", linestyle="--", linewidth=1, label=f"{published_name}: {mean:g}")
-        ax.set(title=env_id, xlabel="env steps", ylabel="average episodic return")
+        ylabel = "episodic return" if script == "cleanrl" else "average episodic return"
+        ax.set(title=env_id, xlabel="env steps", ylabel=ylabel)
         ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(env_ids) :]:
         ax.set_visible(False)
-    title = {"ppo_continuous_action": "MuJoCo PPO", "onpolicy": "Policy losses of the configurable on-policy agent"}
-    title = title.get(script, "Anakin PPO on pgx's MinAtar")
+    title = {
+        "ppo_continuous_action": "MuJoCo PPO",
+        "onpolicy": "Policy losses of the configurable on-policy agent",
+        "ppo_anakin": "Anakin PPO on pgx's MinAtar",
+        "cleanrl": "CleanRL's own ppo_continuous_action.py",
+    }[script]
     fig.suptitle(f"{title}\n({machines(records)}; mean over seeds, band: min-max)")
     fig.tight_layout()
     save(fig, output)
