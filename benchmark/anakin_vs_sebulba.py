@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import tyro
 
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import fail, plt, read_run, save  # noqa: E402
-from readme_commands import readme_training_commands  # noqa: E402
+from cleanrl_utils.benchmark import fail, pyplot, read_run, readme_training_commands, save
+from cleanrl_utils.cli import run_cli
+
+plt = pyplot()
 
 SEBULBA, ANAKIN = "cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py", "cleanba/cleanba_ppo_anakin.py"
 # name -> (script, flags added to its README command): Sebulba as the README runs it (the actor one policy version
@@ -230,4 +230,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import tyro
 
+from cleanrl_utils.benchmark import fail
+from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import envpool_num_threads
 from cleanrl_utils.evals.evaluate import load_script
 
@@ -100,6 +101,8 @@ def measure(module, env_id: str, num_envs: int, pools: int, envpool_threads: int
 
 
 def main(args: CeilingArgs):
+    if (error := bad_flag(args)) is not None:
+        fail(error)
     module = load_script(args.script)
     for pools, num_envs, envpool_threads in itertools.product(args.pools, args.num_envs, args.envpool_threads):
         steps, seconds, sps, num_threads = measure(
@@ -126,8 +129,4 @@ def main(args: CeilingArgs):
 
 
 if __name__ == "__main__":
-    ceiling_args = tyro.cli(CeilingArgs)
-    if (error := bad_flag(ceiling_args)) is not None:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    main(ceiling_args)
+    sys.exit(run_cli(main, CeilingArgs))

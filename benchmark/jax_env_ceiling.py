@@ -26,15 +26,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tyro
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent.parent))
-from plot import fail  # noqa: E402
-from readme_commands import machine  # noqa: E402
-
-from cleanrl_utils.evals.evaluate import load_script  # noqa: E402
-from cleanrl_utils.jax_envs import make_jax_env  # noqa: E402
+from cleanrl_utils.benchmark import fail, machine
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.evals.evaluate import load_script
+from cleanrl_utils.jax_envs import make_jax_env
 
 
 @dataclass
@@ -131,4 +127,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

@@ -51,11 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import tyro
 
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import fail, find_runs, mean_and_spread, plt, read_run, save  # noqa: E402
-from readme_commands import machine  # noqa: E402
+from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, find_runs, machine, mean_and_spread, pyplot, read_run, save
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.errors import RunError
+
+plt = pyplot()
 
 SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
@@ -87,16 +88,6 @@ CLEANRL_ENV_IDS = {
     "WalkerWalk-v1": "dm_control/walker-walk-v0",
     "CartpoleSwingup-v1": "dm_control/cartpole-swingup-v0",
     "BallInCupCatch-v1": "dm_control/ball_in_cup-catch-v0",
-}
-# pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo/assets/*.png, its README's plots): the last point of
-# each curve at 20M steps, read from the plot (the evaluation return of the sampled policy, one episode in each of 100
-# envs, mean over its seeds; the plots' bands are not given as numbers, so std is None)
-PGX_MINATAR_PPO = {
-    "minatar-breakout": (50.0, None),
-    "minatar-asterix": (22.3, None),
-    "minatar-freeway": (63.5, None),
-    "minatar-seaquest": (54.3, None),
-    "minatar-space_invaders": (144.5, None),
 }
 PUBLISHED = {  # per script: (its name in the table, {env id: (mean, std)})
     "ppo_continuous_action": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
@@ -159,7 +150,7 @@ def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     completed = subprocess.run(command, capture_output=True, text=True)
     wall = time.time() - started
     if completed.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{completed.stderr[-3000:]}")
+        raise RunError(f"{' '.join(command)} failed:\n{completed.stderr[-3000:]}")
     run_dir = find_runs("runs", run_env_id, exp_name)[seed]
     _, _, returns = read_run(run_dir, return_tag(args.script))
     evaluation = {}
@@ -312,4 +303,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

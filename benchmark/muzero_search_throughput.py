@@ -14,13 +14,14 @@ usage (from the repository root): uv run python benchmark/muzero_search_throughp
 import dataclasses
 import fcntl
 import json
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-import tyro
 
+from cleanrl_utils.cli import run_cli
 from cleanrl_utils.evals.evaluate import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,4 +97,4 @@ def main(args: BenchArgs):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchArgs))
+    sys.exit(run_cli(main, BenchArgs))

@@ -28,12 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import tyro
 
-sys.path.insert(0, str(Path(__file__).parent))
-from learning_runs import PGX_MINATAR_PPO  # noqa: E402
-from plot import fail  # noqa: E402
-from readme_commands import machine  # noqa: E402
+from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, machine
+from cleanrl_utils.cli import run_cli
 
 BENCHMARK = Path(__file__).parent
 # pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
@@ -154,4 +151,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

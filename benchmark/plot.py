@@ -21,14 +21,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import tyro  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from cleanrl_utils.benchmark import fail, find_runs, mean_and_spread, pyplot, read_run, save
+from cleanrl_utils.cli import run_cli
+
+plt = pyplot()
+import matplotlib.ticker  # noqa: E402 (after pyplot() has chosen the file-only backend)
 
 HARDWARE = "2-core CPU (JAX on CPU)"
 
@@ -85,48 +84,6 @@ class Panels:
     """one per run: drawn as a dashed "random policy" line"""
     title: str = ""
     hardware: str = HARDWARE
-
-
-def fail(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def find_runs(runs_dir: str, env_id: str, exp_name: str) -> dict[int, Path]:
-    """seed -> the newest run directory of (env_id, exp_name, seed)."""
-    newest: dict[int, tuple[int, Path]] = {}
-    for path in Path(runs_dir).glob(f"{env_id}__{exp_name}__*__*"):
-        parts = path.name.split("__")
-        if len(parts) != 4 or parts[1] != exp_name or not (parts[2].isdigit() and parts[3].isdigit()):
-            continue
-        seed, started = int(parts[2]), int(parts[3])
-        if seed not in newest or started > newest[seed][0]:
-            newest[seed] = (started, path)
-    if not newest:
-        fail(f"no runs of --exp-names {exp_name} on {env_id} in {runs_dir}/")
-    return {seed: path for seed, (_, path) in sorted(newest.items())}
-
-
-def read_run(run_dir: Path, tag: str, since: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, seconds since `since` (a unix time; default: the run's first event), values) of one scalar."""
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    if tag not in accumulator.Tags()["scalars"]:
-        fail(f"{run_dir} has no scalar {tag}")
-    events = accumulator.Scalars(tag)
-    start = accumulator.FirstEventTimestamp() if since is None else since
-    return (
-        np.array([e.step for e in events]),
-        np.array([e.wall_time - start for e in events]),
-        np.array([e.value for e in events]),
-    )
-
-
-def mean_and_spread(xs: list[np.ndarray], ys: list[np.ndarray]):
-    """Each seed interpolated onto a common grid over the x range that all seeds cover."""
-    grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 200)
-    on_grid = np.stack([np.interp(grid, x, y) for x, y in zip(xs, ys)])
-    return grid, on_grid.mean(0), on_grid.min(0), on_grid.max(0)
 
 
 def experiment_runs(args: Curves) -> dict[str, list[Path]]:
@@ -266,12 +223,9 @@ def plot_panels(args: Panels):
     save(figure, args.output)
 
 
-def save(figure, output: str):
-    Path(output).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
-    print(f"wrote {output} ({Path(output).stat().st_size // 1024} KB)")
+def main(args: Curves | Sps | Panels):
+    {Curves: plot_curves, Sps: plot_sps, Panels: plot_panels}[type(args)](args)
 
 
 if __name__ == "__main__":
-    args = tyro.cli(Curves | Sps | Panels)
-    {Curves: plot_curves, Sps: plot_sps, Panels: plot_panels}[type(args)](args)
+    sys.exit(run_cli(main, Curves | Sps | Panels))

@@ -17,7 +17,6 @@ prints from the runs recorded in --results.
 import datetime
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -27,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import tyro
 
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import fail, find_runs, plt, read_run, save  # noqa: E402
+from cleanrl_utils.benchmark import fail, find_runs, machine, pyplot, read_run, readme_training_commands, save
+from cleanrl_utils.cli import run_cli
+from cleanrl_utils.errors import RunError
+
+plt = pyplot()
 
 SCRIPTS = {
     "ppo": "cleanba_ppo_envpool_impala_atari_wrapper.py",
@@ -89,18 +90,6 @@ class Args:
     """run nothing: print the tables and draw the figures from the runs recorded in --results (the newest per seed)"""
 
 
-def readme_training_commands(readme: str) -> list[str]:
-    """The README's CPU training commands, in order (continuation lines joined; `pip install uv && ` dropped; the GPU
-    command, with `--extra`, skipped)."""
-    blocks = re.findall(r"```bash\n(.*?)```", Path(readme).read_text(), flags=re.S)
-    lines = [
-        " ".join(line.replace("pip install uv && ", "").split())
-        for b in blocks
-        for line in b.replace("\\\n", " ").splitlines()
-    ]
-    return [line for line in lines if "cleanba/cleanba_" in line and "--env-id" in line and "--extra" not in line]
-
-
 def readme_commands(readme: str) -> dict[str, str]:
     """name -> a CPU command in the README: the algorithm for the first that runs its script, `{algorithm}@{env id}`
     for the others."""
@@ -110,31 +99,6 @@ def readme_commands(readme: str) -> dict[str, str]:
             if f"cleanba/{script}" in command:
                 commands[algorithm if algorithm not in commands else f"{algorithm}@{env_id_of(command)}"] = command
     return commands
-
-
-def processor() -> str:
-    """The CPU's model name (a seed's run depends on it: XLA's CPU code differs between processors)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def accelerator() -> str | None:
-    """The GPU's name (nvidia-smi), or None on a machine without one."""
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True)
-    except OSError:
-        return None
-    return names.stdout.decode().strip().splitlines()[0] if names.returncode == 0 and names.stdout.strip() else None
-
-
-def machine() -> dict:
-    """What a record says of where it ran: the processor, and the GPU where there is one."""
-    return {"processor": processor(), **({"accelerator": gpu} if (gpu := accelerator()) else {})}
 
 
 def window_averages(steps: np.ndarray, values: np.ndarray, window: int) -> tuple[float, float, int]:
@@ -163,7 +127,7 @@ def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
     process = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.time() - start
     if process.returncode != 0:
-        sys.exit(f"error: {name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
+        raise RunError(f"{name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
     steps, _, values = read_run(run_dir, TAG)
@@ -279,4 +243,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

@@ -18,8 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import tyro
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cleanrl_utils.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py"
@@ -100,4 +101,4 @@ def main(args: BenchArgs):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchArgs))
+    sys.exit(run_cli(main, BenchArgs))

@@ -9,13 +9,17 @@ usage (repository root): uv run python benchmark/script_shape.py [--rev REV] [--
   (default: the working tree; --packed lists each script's packed lines)
 """
 
-import argparse
 import ast
 import io
 import subprocess
+import sys
 import tempfile
 import tokenize
+from dataclasses import dataclass
 from pathlib import Path
+
+from cleanrl_utils.benchmark import fail
+from cleanrl_utils.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -45,7 +49,10 @@ PAIRS = [
 def read(path: str, rev: str | None) -> str:
     if rev is None:
         return (REPO / path).read_text()
-    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
+    if shown.returncode != 0:  # an unknown revision, or one without this script
+        fail(f"--rev {rev}: {(shown.stderr.strip().splitlines() or ['git show failed'])[-1]}")
+    return shown.stdout
 
 
 # what a packed line holds, read off the syntax tree: see `packed_lines`
@@ -135,11 +142,15 @@ def after_first_def(source: str) -> str:
     return "".join(lines[first:])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rev", default=None, help="a git revision (default: the working tree)")
-    parser.add_argument("--packed", action="store_true", help="list each script's packed lines")
-    options = parser.parse_args()
+@dataclass
+class Args:
+    rev: str | None = None
+    """a git revision (default: the working tree)"""
+    packed: bool = False
+    """list each script's packed lines"""
+
+
+def main(options: Args):
     rev = options.rev
     sources = {name: read(f"cleanba/{file}", rev) for name, file in SCRIPTS.items()}
     print(f"| script | {' | '.join(shape(sources['ppo']))} |\n|---|{'---|' * len(shape(sources['ppo']))}")
@@ -187,4 +198,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli(main, Args))

@@ -37,10 +37,9 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-import tyro
-
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import parse_flags, run_cli, run_main
 from cleanrl_utils.devices import device_layout
+from cleanrl_utils.errors import RunError
 from cleanrl_utils.evals.evaluate import load_script
 from cleanrl_utils.flags import derive_batch_values
 from cleanrl_utils.run import SebulbaRun
@@ -223,7 +222,7 @@ def measure_full_run(harness: HarnessArgs, script_args: list[str], batch_size: i
                 env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
             )
             if completed.returncode != 0:
-                sys.exit(f"error: the full run failed ({completed.returncode}):\n{completed.stderr[-2000:]}")
+                raise RunError(f"the full run failed ({completed.returncode}):\n{completed.stderr[-2000:]}")
             accumulator = EventAccumulator(
                 str(Path(cwd) / "runs" / f"throughput{repeat}"), size_guidance={"scalars": 0}
             )
@@ -323,13 +322,13 @@ def summarize(path: Path, baseline: Path | None):
 def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
-    harness = tyro.cli(HarnessArgs, args=argv[:split])
+    harness = parse_flags(HarnessArgs, argv[:split])
     harness.script = harness.script.resolve()  # the full runs start in a temporary folder
     if harness.summarize:
-        return summarize(harness.summarize, harness.baseline)
+        return run_main(summarize, harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
     module = load_script(harness.script)
-    run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
+    return run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
 
 
 def measure(harness: HarnessArgs, module, script_args: list[str], args):
@@ -363,4 +362,4 @@ def measure(harness: HarnessArgs, module, script_args: list[str], args):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

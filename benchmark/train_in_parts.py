@@ -34,13 +34,12 @@ import threading
 import time
 from pathlib import Path
 
+from cleanrl_utils.cli import run_main
+from cleanrl_utils.errors import UsageError
+
 CHECKPOINT_SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=(\d+) (.*) in [0-9.]+s$")
 RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=(\d+)")
 LOGGED = re.compile(r"^update=(\d+)/(\d+) global_step=(\d+) SPS=(\d+) .*avg_episodic_return=(\S+)")
-
-
-class UsageError(Exception):
-    pass
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -195,16 +194,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--grace", type=float, default=60.0, help="seconds after SIGTERM until SIGKILL")
     parser.add_argument("--max-file-mib", type=float, default=15.0, help="the largest piece of a pack (MiB)")
     parser.add_argument("command", nargs="+", help="after --: the script and its flags (--run-name among them)")
-    try:
-        args = parser.parse_args(argv)
-        for name in ["seconds", "grace", "max_file_mib"]:
-            if not 0 < getattr(args, name) < float("inf"):
-                raise UsageError(f"--{name.replace('_', '-')} must be positive and finite (got {getattr(args, name)})")
-        run_name = run_name_of(args.command)
-        pack = read_pack(args.part_in, run_name) if args.part_in else None
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    args = parser.parse_args(argv)
+    for name in ["seconds", "grace", "max_file_mib"]:
+        if not 0 < getattr(args, name) < float("inf"):
+            raise UsageError(f"--{name.replace('_', '-')} must be positive and finite (got {getattr(args, name)})")
+    run_name = run_name_of(args.command)
+    pack = read_pack(args.part_in, run_name) if args.part_in else None
     run_dir = Path("runs") / run_name
     if run_dir.exists():
         print(f"removing {run_dir}: " + ("the pack replaces it" if pack else "a part without --part-in starts afresh"))
@@ -234,4 +229,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -39,11 +39,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tyro
-
-sys.path.insert(0, str(Path(__file__).parent))
-from plot import fail  # noqa: E402
-from readme_commands import machine  # noqa: E402
+from cleanrl_utils.benchmark import fail, machine
+from cleanrl_utils.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 # jax.device_put_sharded's in-line replacement (as flax 0.12.7 in-lined it): the shards stacked, split over the devices
@@ -159,7 +156,9 @@ def shared_flags(args: Args) -> list[str]:
 def upstream_sps(args: Args, script: str, batch_size: int) -> tuple[float, int, bool]:
     """Upstream's run from a temporary folder, its console in --logs/upstream.log, each `global_step=` line stamped
     as it comes; stopped after --timeout s if still running. (steady SPS, updates logged, whether it was stopped)."""
-    from throughput import steady_sps  # JAX and the scripts' modules: after the checks of the input
+    # ours is measured by throughput.py's full run, so upstream's SPS is its steady_sps too (this folder is on the
+    # path of a script run from it); imported here: JAX and the scripts' modules, after the checks of the input
+    from throughput import steady_sps
 
     flags = [*shared_flags(args), "--concurrency", "--log-frequency", "1", "--exp-name", "upstream"]
     flags += ["--total-timesteps", str(batch_size * args.updates)]
@@ -201,7 +200,7 @@ def main(args: Args) -> None:
     text = args.cleanba_ppo.read_text()
     script = patched(text, args.cleanba_ppo)
     args.logs.mkdir(parents=True, exist_ok=True)
-    from throughput import HarnessArgs, measure_full_run
+    from throughput import HarnessArgs, measure_full_run  # ours, measured as throughput.py measures a full run
 
     batch_size = args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids) * args.num_steps
     harness = HarnessArgs(
@@ -232,4 +231,4 @@ def main(args: Args) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(run_cli(main, Args))

@@ -8,9 +8,15 @@ run is reported with its command and exit code, the other runs go on, and the to
 the end. With --slurm-template-path the sweep becomes one job array (one array task per run; each
 task has --slurm-ntasks tasks over --slurm-nodes nodes, started by srun: one jax.distributed process
 each). W&B runs are tagged with the git commit (WANDB_TAGS).
+
+It also holds what the tools in benchmark/ share (their `fail`, run folders, TensorBoard scalars, figures, the
+machine a record ran on, the README's commands); each tool's entry is `cleanrl_utils.cli.run_cli`, so bad input is
+one `error:` line with exit code 2 everywhere.
 """
 
 import os
+import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,6 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
+
+import numpy as np
 
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.errors import UsageError
@@ -58,8 +67,116 @@ class Args:
     """render and print the job script, do not submit it"""
 
 
-def fail(message: str):
+def fail(message: str) -> NoReturn:
     raise UsageError(message)  # the CLI entry prints it as one `error:` line, exit code 2
+
+
+# ---------------------------------------------------------------- shared by the tools in benchmark/
+# matplotlib and TensorBoard are imported where used: the sweep above needs neither
+
+# pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo/assets/*.png, its README's plots): the last point of
+# each curve at 20M steps, read from the plot (the evaluation return of the sampled policy, one episode in each of 100
+# envs, mean over its seeds; the plots' bands are not given as numbers, so std is None)
+PGX_MINATAR_PPO = {
+    "minatar-breakout": (50.0, None),
+    "minatar-asterix": (22.3, None),
+    "minatar-freeway": (63.5, None),
+    "minatar-seaquest": (54.3, None),
+    "minatar-space_invaders": (144.5, None),
+}
+
+
+def find_runs(runs_dir: str, env_id: str, exp_name: str) -> dict[int, Path]:
+    """seed -> the newest run directory of (env_id, exp_name, seed), by the default run name
+    {env_id}__{exp_name}__{seed}__{unix time}."""
+    newest: dict[int, tuple[int, Path]] = {}
+    for path in Path(runs_dir).glob(f"{env_id}__{exp_name}__*__*"):
+        parts = path.name.split("__")
+        if len(parts) != 4 or parts[1] != exp_name or not (parts[2].isdigit() and parts[3].isdigit()):
+            continue
+        seed, started = int(parts[2]), int(parts[3])
+        if seed not in newest or started > newest[seed][0]:
+            newest[seed] = (started, path)
+    if not newest:
+        fail(f"no runs of --exp-names {exp_name} on {env_id} in {runs_dir}/")
+    return {seed: path for seed, (_, path) in sorted(newest.items())}
+
+
+def read_run(run_dir: Path, tag: str, since: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, seconds since `since` (a unix time; default: the run's first event), values) of one scalar."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    if tag not in accumulator.Tags()["scalars"]:
+        fail(f"{run_dir} has no scalar {tag}")
+    events = accumulator.Scalars(tag)
+    start = accumulator.FirstEventTimestamp() if since is None else since
+    return (
+        np.array([e.step for e in events]),
+        np.array([e.wall_time - start for e in events]),
+        np.array([e.value for e in events]),
+    )
+
+
+def mean_and_spread(xs: list[np.ndarray], ys: list[np.ndarray]):
+    """Each seed interpolated onto a common grid over the x range that all seeds cover."""
+    grid = np.linspace(max(x[0] for x in xs), min(x[-1] for x in xs), 200)
+    on_grid = np.stack([np.interp(grid, x, y) for x, y in zip(xs, ys)])
+    return grid, on_grid.mean(0), on_grid.min(0), on_grid.max(0)
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing into files only (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(figure, output: str):
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=100)
+    print(f"wrote {output} ({Path(output).stat().st_size // 1024} KB)")
+
+
+def processor() -> str:
+    """The CPU's model name (a seed's run depends on it: XLA's CPU code differs between processors)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def accelerator() -> str | None:
+    """The GPU's name (nvidia-smi), or None on a machine without one."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True)
+    except OSError:
+        return None
+    return names.stdout.decode().strip().splitlines()[0] if names.returncode == 0 and names.stdout.strip() else None
+
+
+def machine() -> dict:
+    """What a record says of where it ran: the processor, and the GPU where there is one."""
+    return {"processor": processor(), **({"accelerator": gpu} if (gpu := accelerator()) else {})}
+
+
+def readme_training_commands(readme: str) -> list[str]:
+    """The README's CPU training commands, in order (continuation lines joined; `pip install uv && ` dropped; the GPU
+    command, with `--extra`, skipped)."""
+    blocks = re.findall(r"```bash\n(.*?)```", Path(readme).read_text(), flags=re.S)
+    lines = [
+        " ".join(line.replace("pip install uv && ", "").split())
+        for b in blocks
+        for line in b.replace("\\\n", " ").splitlines()
+    ]
+    return [line for line in lines if "cleanba/cleanba_" in line and "--env-id" in line and "--extra" not in line]
 
 
 def run_commands(args: Args) -> list[str]:

@@ -50,9 +50,14 @@ def tyro_error_message(box: str) -> str:
 
 def run_cli(main, args_class, argv: list[str] | None = None):
     """Parse the flags with tyro and return `main(args)` (an exit code); typed errors become one line (see above)."""
-    args = parse_flags(args_class, argv)
+    return run_main(main, parse_flags(args_class, argv))
+
+
+def run_main(main, *args):
+    """Return `main(*args)` (an exit code), typed errors as one line (see above): the entry of a tool that parses its
+    own flags (benchmark/train_in_parts.py: argparse, whose errors it raises as UsageError)."""
     try:
-        return main(args)
+        return main(*args)
     except BaseException as error:
         line = error_line(error)
         if distributed_started():

@@ -14,6 +14,8 @@ import tarfile
 import pytest
 from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, TINY_BREAKOUT, read_scalars, script_env
 
+from cleanrl_utils.errors import UsageError
+
 TINY_CARTPOLE = (
     "--env-id CartPole-v1 --local-num-envs 4 --num-steps 16 --hiddens 8 --num-actor-threads 1 "
     "--num-minibatches 2 --actor-device-ids 0 --learner-device-ids 1"
@@ -230,7 +232,7 @@ def upstream_stand_in(folder, without: str = "") -> tuple:
     return stand_in, upstream_cleanba
 
 
-def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_hangs(tmp_path, monkeypatch, capsys):
+def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_hangs(tmp_path, monkeypatch):
     """Upstream's SPS from its console's `global_step=` lines: of a run that ends, of one that hangs after its last
     update (stopped after --timeout, as upstream's actor threads wait forever on a failed learner), and a failed run
     is one error line naming its log."""
@@ -244,12 +246,11 @@ def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_ha
     monkeypatch.setenv("UPSTREAM_STAND_IN_HANGS", "1")
     sps, updates, stopped = upstream_cleanba.upstream_sps(args, script, batch_size=8)
     assert (updates, stopped) == (7, True) and sps > 0
-    with pytest.raises(SystemExit) as exit_info:
-        upstream_cleanba.upstream_sps(args, "import sys\nprint('global_step=8,')\nsys.exit(3)\n", batch_size=8)
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (
-        f"error: upstream's run failed (3) after 1 logged updates: its log is {tmp_path / 'upstream.log'}\n"
-    )
+    failing = "import sys\nprint('global_step=8,')\nsys.exit(3)\n"
+    with pytest.raises(UsageError) as error:
+        upstream_cleanba.upstream_sps(args, failing, batch_size=8)
+    log = tmp_path / "upstream.log"
+    assert str(error.value) == f"upstream's run failed (3) after 1 logged updates: its log is {log}"
 
 
 @pytest.mark.parametrize(
