@@ -173,7 +173,13 @@ def upstream_sps(args: Args, script: str, batch_size: int) -> tuple[float, int, 
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-        timer = threading.Timer(args.timeout, process.kill)
+        timed_out = threading.Event()
+
+        def stop():
+            timed_out.set()  # before the kill: a SIGKILL from anyone else (the kernel's OOM killer) is not a timeout
+            process.kill()
+
+        timer = threading.Timer(args.timeout, stop)
         timer.start()
         for line in process.stdout:
             log.write(line)
@@ -182,9 +188,15 @@ def upstream_sps(args: Args, script: str, batch_size: int) -> tuple[float, int, 
                 times.append(time.time())
         timer.cancel()
         code = process.wait()
-    stopped = code == -signal.SIGKILL
+    stopped = timed_out.is_set() and code == -signal.SIGKILL
     if (code != 0 and not stopped) or len(steps) <= args.warmup_updates:
-        ended = "was stopped" if stopped else f"failed ({code})"
+        if stopped:
+            ended = f"was stopped at --timeout ({args.timeout:g} s)"
+        elif code < 0:  # by a signal this runner did not send
+            why = "; the kernel's out-of-memory killer sends SIGKILL" if code == -signal.SIGKILL else ""
+            ended = f"was killed by signal {-code} (not by --timeout{why})"
+        else:
+            ended = f"failed ({code})"
         fail(f"upstream's run {ended} after {len(steps)} logged updates: its log is {log.name}")
     return steady_sps(steps, times, args.warmup_updates), len(steps), stopped
 

@@ -253,6 +253,22 @@ def test_upstream_cleanba_times_upstreams_logged_updates_and_stops_a_run_that_ha
     assert str(error.value) == f"upstream's run failed (3) after 1 logged updates: its log is {log}"
 
 
+def test_upstream_cleanba_tells_a_kill_by_someone_else_from_its_own_timeout(tmp_path, monkeypatch):
+    """A run that ends by a SIGKILL the runner did not send (the kernel's out-of-memory killer sends SIGKILL too) after
+    all its updates is a failed run, named as a kill, not a run stopped by --timeout."""
+    stand_in, upstream_cleanba = upstream_stand_in(tmp_path)
+    script = upstream_cleanba.patched(stand_in.read_text(), stand_in)
+    sizes = {"local_num_envs": 2, "num_actor_threads": 1, "num_steps": 4, "updates": 6, "warmup_updates": 2}
+    args = upstream_cleanba.Args(cleanba_ppo=stand_in, results=tmp_path / "r", logs=tmp_path, timeout=60, **sizes)
+    monkeypatch.setenv("UPSTREAM_STAND_IN_KILLED", "1")
+    with pytest.raises(UsageError) as error:
+        upstream_cleanba.upstream_sps(args, script, batch_size=8)
+    assert str(error.value) == (
+        "upstream's run was killed by signal 9 (not by --timeout; the kernel's out-of-memory killer sends SIGKILL) "
+        f"after 7 logged updates: its log is {tmp_path / 'upstream.log'}"
+    )
+
+
 @pytest.mark.parametrize(
     "env, flags, error",
     [
