@@ -43,9 +43,11 @@
 #                   (benchmark/upstream_cleanba.py; UPSTREAM_FLAGS adds its flags): both steady SPS and the ratio,
 #                   ours over upstream's, in gpu_cleanba_upstream.jsonl, upstream's console in cleanba_upstream_logs
 #
-# usage (repository root, on a machine with an NVIDIA GPU):
+# usage (from any folder, on a machine with an NVIDIA GPU; the runs go to the current folder's runs/, the figures of
+# the docs to the repository's static/, relative paths given (results folder, PART_IN, CLEANBA_PPO, PGX_TRAIN) are
+# the current folder's):
 #   bash benchmark/gpu.sh [results folder] [sections...]
-#   default: benchmark/results, all of: ceiling throughput curve minatar jax-ceiling
+#   default: the repository's benchmark/results, all of: ceiling throughput curve minatar jax-ceiling
 #   the 10M run, one command per part: bash benchmark/gpu.sh OUT breakout10m, then, with the previous part's pack
 #   copied into the working tree (PART_IN: its path, or the stem of its pieces),
 #   PART_IN=benchmark/results/breakout10m_part1.tar.gz bash benchmark/gpu.sh OUT breakout10m
@@ -57,10 +59,12 @@
 # nvidia_smi.txt, breakout10m_parts.jsonl (one JSON line per part) with each part's breakout10m_part{k}.log and pack;
 # the runs stay in runs/.
 set -uo pipefail
-out=${1:-benchmark/results}
+repo=$(cd "$(dirname "$0")/.." && pwd)  # the scripts and tools are named by their path in it
+out=${1:-$repo/benchmark/results}
 shift || true
 sections=${*:-ceiling throughput curve minatar jax-ceiling}
 PY=${PY:-uv run --extra cuda12 python}
+export UV_PROJECT=${UV_PROJECT:-$repo}  # the default PY's uv finds the project from any folder
 CURVE_SECONDS=${CURVE_SECONDS:-600}
 MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaquest minatar-space_invaders}
 # pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
@@ -78,60 +82,62 @@ GPU0="--actor-device-ids 0 --learner-device-ids 0"
 # part killed past its grace time loses little, the console every update
 BREAKOUT10M_FLAGS=${BREAKOUT10M_FLAGS:-"--env-id Breakout-v5 $GPU0 --total-timesteps 10000000 --seed 1 \
   --run-name breakout10m --exp-name breakout10m --log-frequency 1 --checkpoint-frequency 10 --checkpoint-keep 2"}
-repo=$(cd "$(dirname "$0")/.." && pwd)  # the sections below run from any folder (their runs/ is the current one's)
 
 for section in $sections; do
   case $section in
   ceiling)
-    step $PY benchmark/env_ceiling.py --env-id Breakout-v5 --num-envs 64 --pools 2 --json "$out/gpu_env_ceiling.jsonl"
-    step $PY benchmark/env_ceiling.py --env-id Breakout-v5 --num-envs 128 --pools 1 --envpool-threads "$(nproc)" \
+    step $PY "$repo/benchmark/env_ceiling.py" --env-id Breakout-v5 --num-envs 64 --pools 2 \
       --json "$out/gpu_env_ceiling.jsonl"
+    step $PY "$repo/benchmark/env_ceiling.py" --env-id Breakout-v5 --num-envs 128 --pools 1 \
+      --envpool-threads "$(nproc)" --json "$out/gpu_env_ceiling.jsonl"
     ;;
   throughput)
     for algorithm in ppo impala; do
-      step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
-        --json "$out/gpu_throughput.jsonl" --repeats 3 --stage-rollouts 2 --full-repeats 1 --full-updates 25 \
+      step $PY "$repo/benchmark/throughput.py" \
+        --script "$repo/cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py" --json "$out/gpu_throughput.jsonl" \
+        --repeats 3 --stage-rollouts 2 --full-repeats 1 --full-updates 25 \
         -- --env-id Breakout-v5 $GPU0
     done
-    step $PY benchmark/throughput.py --summarize "$out/gpu_throughput.jsonl"
+    step $PY "$repo/benchmark/throughput.py" --summarize "$out/gpu_throughput.jsonl"
     ;;
   curve)
     echo "== PPO Breakout-v5 for ${CURVE_SECONDS}s"
-    timeout --preserve-status -s TERM "$CURVE_SECONDS" $PY cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py --env-id Breakout-v5 \
-      $GPU0 --run-name gpu_breakout_ppo --exp-name gpu_breakout_ppo --log-frequency 10 --checkpoint-frequency 0 \
-      --total-timesteps 50000000 2>&1 | tee "$out/gpu_curve.txt" | grep -E "^update=(1|[0-9]*0)/|error" | tail -40
+    timeout --preserve-status -s TERM "$CURVE_SECONDS" $PY "$repo/cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py" \
+      --env-id Breakout-v5 $GPU0 --run-name gpu_breakout_ppo --exp-name gpu_breakout_ppo --log-frequency 10 \
+      --checkpoint-frequency 0 --total-timesteps 50000000 2>&1 | tee "$out/gpu_curve.txt" | grep -E "^update=(1|[0-9]*0)/|error" | tail -40
     code=${PIPESTATUS[0]}
     [ "$code" -eq 0 ] || [ "$code" -eq 143 ] || { echo "!! curve run failed ($code)"; status=1; }
     # random policy on Breakout: 1.7 (Mnih et al. 2015, Nature DQN, Extended Data Table 2)
-    step $PY benchmark/plot.py curves --runs runs/gpu_breakout_ppo --labels "Sebulba PPO, a0-l0" \
+    step $PY "$repo/benchmark/plot.py" curves --runs runs/gpu_breakout_ppo --labels "Sebulba PPO, a0-l0" \
       --tags charts/avg_episodic_return charts/SPS --references "random policy=1.7" \
-      --title "Breakout-v5, PPO on 1 GPU (${CURVE_SECONDS} s)" --output static/gpu_breakout_ppo.png
-    cp static/gpu_breakout_ppo.png "$out/" 2>/dev/null || true
+      --title "Breakout-v5, PPO on 1 GPU (${CURVE_SECONDS} s)" --output "$repo/static/gpu_breakout_ppo.png"
+    cp "$repo/static/gpu_breakout_ppo.png" "$out/" 2>/dev/null || true
     ;;
   minatar)
     # shellcheck disable=SC2086
-    step $PY benchmark/learning_runs.py --python "$PY" --jobs "${MINATAR_JOBS:-5}" --script ppo_anakin \
+    step $PY "$repo/benchmark/learning_runs.py" --python "$PY" --jobs "${MINATAR_JOBS:-5}" --script ppo_anakin \
       --env-ids $MINATAR --seeds ${MINATAR_SEEDS:-1 2 3} --total-timesteps "${MINATAR_TIMESTEPS:-20000000}" \
       --final-window 1 --flags="$PGX_PPO --log-frequency 1 --checkpoint-frequency 0 --save-model --eval-episodes 100" \
       --results "$out/gpu_minatar_ppo.jsonl" --output "$out/gpu_minatar_ppo.png"
     ;;
   jax-ceiling)
     # shellcheck disable=SC2086
-    step $PY benchmark/jax_env_ceiling.py --env-ids $MINATAR --num-envs ${CEILING_ENVS:-4096 65536} --results "$out/gpu_jax_env_ceiling.jsonl"
+    step $PY "$repo/benchmark/jax_env_ceiling.py" --env-ids $MINATAR --num-envs ${CEILING_ENVS:-4096 65536} \
+      --results "$out/gpu_jax_env_ceiling.jsonl"
     updates=${ANAKIN_UPDATES:-8}
     echo "== Anakin PPO alone, minatar-breakout, pgx's settings, $updates updates"
     # shellcheck disable=SC2086
-    $PY cleanba/cleanba_ppo_anakin.py --env-id minatar-breakout $PGX_PPO --total-timesteps $((updates * 524288)) \
-      --exp-name gpu_anakin_sps --log-frequency 1 --checkpoint-frequency 0 2>&1 | tee "$out/gpu_anakin_minatar_sps.txt" \
-      | grep -E "^update=|error"
+    $PY "$repo/cleanba/cleanba_ppo_anakin.py" --env-id minatar-breakout $PGX_PPO \
+      --total-timesteps $((updates * 524288)) --exp-name gpu_anakin_sps --log-frequency 1 --checkpoint-frequency 0 2>&1 \
+      | tee "$out/gpu_anakin_minatar_sps.txt" | grep -E "^update=|error"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! Anakin SPS run failed"; status=1; }
     ;;
   pgx-check)
     [ -f "${PGX_TRAIN:-}" ] || { echo "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py" >&2; exit 2; }
     # shellcheck disable=SC2086
-    step $PY benchmark/pgx_minatar_check.py --pgx-train "$PGX_TRAIN" --python "$PY" --logs "$out/pgx_check_logs" \
-      --results "$out/gpu_pgx_minatar_check.jsonl" --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} \
-      --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
+    step $PY "$repo/benchmark/pgx_minatar_check.py" --pgx-train "$PGX_TRAIN" --python "$PY" \
+      --logs "$out/pgx_check_logs" --results "$out/gpu_pgx_minatar_check.jsonl" \
+      --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
     ;;
   cleanba-upstream)
     [ -f "${CLEANBA_PPO:-}" ] || { echo "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py" >&2; exit 2; }
@@ -160,23 +166,25 @@ for section in $sections; do
     for algorithm in ${LEARNER_ALGORITHMS:-ppo impala}; do
       for network in impala nature; do
         for dtype in float32 bfloat16; do
-          step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
-            --stages learner --repeats 3 --stage-rollouts 1 --json "$out/gpu_learner.jsonl" \
+          step $PY "$repo/benchmark/throughput.py" \
+            --script "$repo/cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py" --stages learner \
+            --repeats 3 --stage-rollouts 1 --json "$out/gpu_learner.jsonl" \
             -- --env-id Breakout-v5 $GPU0 --network $network --compute-dtype $dtype
         done
       done
     done
-    step $PY benchmark/throughput.py --summarize "$out/gpu_learner.jsonl"
+    step $PY "$repo/benchmark/throughput.py" --summarize "$out/gpu_learner.jsonl"
     ;;
   sync)
     for algorithm in ${LEARNER_ALGORITHMS:-ppo impala}; do
       for sync in --no-sync-minibatches --sync-minibatches; do
-        step $PY benchmark/throughput.py --script cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py \
-          --json "$out/gpu_sync.jsonl" --repeats 1 --stage-rollouts 1 --full-repeats 1 --full-updates 15 \
+        step $PY "$repo/benchmark/throughput.py" \
+          --script "$repo/cleanba/cleanba_${algorithm}_envpool_impala_atari_wrapper.py" --json "$out/gpu_sync.jsonl" \
+          --repeats 1 --stage-rollouts 1 --full-repeats 1 --full-updates 15 \
           -- --env-id Breakout-v5 $GPU0 $sync
       done
     done
-    step $PY benchmark/throughput.py --summarize "$out/gpu_sync.jsonl"
+    step $PY "$repo/benchmark/throughput.py" --summarize "$out/gpu_sync.jsonl"
     ;;
   *)
     echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check" \

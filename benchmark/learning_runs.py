@@ -58,6 +58,7 @@ from cleanrl_utils.errors import RunError
 
 plt = pyplot()
 
+REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
     "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
@@ -137,9 +138,10 @@ def variant_flags(script: str, variant: str) -> tuple[str, list[str]]:
 def run_one(args: Args, env_id: str, variant: str, seed: int) -> dict:
     name, flags = variant_flags(args.script, variant)
     exp_name = f"bench_{args.script}_{name}"
-    script, run_env_id = SCRIPTS[args.script], env_id
     if args.script == "cleanrl":
         script, run_env_id = args.cleanrl_script, CLEANRL_ENV_IDS.get(env_id, env_id)
+    else:  # from any folder (benchmark/gpu.sh's sections run from the caller's)
+        script, run_env_id = str(REPO / SCRIPTS[args.script]), env_id
     command = [
         *shlex.split(args.python),
         script,

@@ -162,27 +162,27 @@ def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
 
 
 def test_gpu_benchmarks_learner_and_sync_sections_give_the_scripts_flags_they_take(workdir):
-    """The learner and sync sections' runs (Breakout at the defaults: GPU-sized) as commands only (PY=echo): each
-    names throughput.py and a script whose flags parse and pass its checks, every network, dtype and sync setting."""
+    """The learner and sync sections' runs (Breakout at the defaults: GPU-sized) as commands only (PY=echo), started
+    from a folder outside the repository: each names throughput.py and a script, both found from that folder, whose
+    flags parse and pass its checks, every network, dtype and sync setting."""
     from cleanrl_utils.cli import parse_flags
     from cleanrl_utils.evals.evaluate import load_script
 
     completed = subprocess.run(
-        ["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "learner", "sync"],
-        cwd=REPO,
+        ["bash", str(REPO / "benchmark" / "gpu.sh"), "out", "learner", "sync"],
+        cwd=workdir,
         env={**script_env(), "PY": "echo"},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert completed.returncode == 0, completed.stderr
-    runs = [
-        line.split() for line in completed.stdout.splitlines() if line.startswith("benchmark/throughput.py --script")
-    ]
+    runs = [line.split() for line in completed.stdout.splitlines() if "--script" in line and line[:3] != "== "]
     assert len(runs) == 2 * 4 + 2 * 2  # PPO and IMPALA: 2 networks x 2 dtypes alone, and without and with sync
     settings = set()
     for words in runs:
-        module = load_script(REPO / words[words.index("--script") + 1])
+        assert (workdir / words[0]).resolve() == REPO / "benchmark" / "throughput.py", words  # as opened from workdir
+        module = load_script(workdir / words[words.index("--script") + 1])
         args = parse_flags(module.Args, words[words.index("--") + 1 :])
         module.validate_args(args)
         settings.add((module.__name__, args.network, args.compute_dtype, args.sync_minibatches, "learner" in words))
