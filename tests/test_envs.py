@@ -123,8 +123,19 @@ def test_replay_scripts_act_on_each_observation_layout(name, env_id):
     [with_procgen_mark(env_id) for env_id in ("MiniGrid-Empty-5x5-v0", "BigfishEasy-v0", "DefendTheCenter-v1")],
 )
 def test_family_renders_frames_for_videos(env_id):
-    # --capture-video's check before training: env 0 of the script's make_env renders uint8 RGB frames
+    # --capture-video's check before training passes, and what it vouches for holds, looked at here: env 0 of the
+    # script's make_env renders uint8 RGB frames of a picture's size, not one colour, that change as the env steps
     check_capture_video(PPO_SCRIPT, env_id)
+    envs = load_script(PPO_SCRIPT).make_env(env_id, 0, 1, render_mode="rgb_array")
+    envs.reset()
+    frames = [envs.render()]
+    for _ in range(4):
+        envs.step(np.zeros(1, dtype=int))
+        frames.append(envs.render())
+    first = frames[0]
+    assert first.dtype == np.uint8 and first.ndim == 4 and first.shape[0] == 1 and first.shape[-1] == 3, first.shape
+    assert min(first.shape[1:3]) >= 32 and len(np.unique(first.reshape(-1, 3), axis=0)) > 1
+    assert any((frame != first).any() for frame in frames[1:])
 
 
 def test_football_videos_are_refused_before_training_in_one_line():
@@ -194,7 +205,11 @@ def test_dm_control_steps_at_the_suites_control_timestep():
     "env_id,discrete", [("CartPole-v1", True), ("Pendulum-v1", False), ("CheetahRun-v1", False), ("Breakout-v5", True)]
 )
 def test_each_kind_of_script_takes_the_ids_of_its_actions(env_id, discrete):
-    env_families.check_env_id(env_id, discrete=discrete)  # classic control has both: CartPole (PPO), Pendulum (SAC)
+    # classic control has both: CartPole (PPO), Pendulum (SAC); the env's own action space decides, not the family
+    assert isinstance(env_families.env_spaces(env_id)[1], gymnasium.spaces.Discrete) == discrete
+    assert env_families.check_env_id(env_id, discrete=discrete) is None
+    with pytest.raises(UsageError, match=f"^--env-id '{env_id}' is not supported"):
+        env_families.check_env_id(env_id, discrete=not discrete)  # the other kind of script refuses it
 
 
 @pytest.mark.parametrize(
