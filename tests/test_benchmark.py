@@ -1,9 +1,11 @@
 """cleanrl_utils.benchmark: local sweeps that survive failed runs, and Slurm job arrays from cleanba.slurm_template."""
 
+import ast
 import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -229,19 +231,45 @@ def test_readme_commands_finds_every_algorithms_cpu_command_with_a_known_bar():
         assert readme_commands.env_id_of(command) in readme_commands.THRESHOLDS, command
 
 
+def written_values(flags: list[str]) -> dict[str, list]:
+    """{field: its values} as a command's words write them: `--name V ...` (numbers as numbers); a flag alone is
+    True, `--no-name` alone False."""
+    written: dict[str, list] = {}
+    for word in flags:
+        if word.startswith("--"):
+            written[word[2:].replace("-", "_")] = values = []
+            continue
+        try:
+            values.append(ast.literal_eval(word))
+        except (ValueError, SyntaxError):  # a word, not a number
+            values.append(word)
+    return {
+        field if values else field.removeprefix("no_"): values or [not field.startswith("no_")]
+        for field, values in written.items()
+    }
+
+
 def test_readme_commands_parse_and_pass_their_scripts_checks():
-    """Every README CPU command's flags are its script's and pass the checks a run makes before training (what
-    they learn, ten seeds each, is benchmark/readme_commands.py's: docs/rl-algorithms/*.md)."""
+    """Every README CPU command's flags are its script's, reach the run as written (each flag's value, after the
+    script's own defaults for what a command leaves unset: the on-policy script's per-loss ones), and pass the checks
+    a run makes before training (what they learn, ten seeds each, is benchmark/readme_commands.py's:
+    docs/rl-algorithms/*.md)."""
     sys.path.insert(0, str(REPO / "benchmark"))
     import readme_commands
 
     from cleanrl_utils.cli import parse_flags
 
     for name, command in readme_commands.readme_commands(str(REPO / "README.md")).items():
-        module = load_script(REPO / "cleanba" / readme_commands.SCRIPTS[name.split("@")[0]])
-        flags = command.split()[4:]  # after "uv run python cleanba/SCRIPT.py"
-        args = parse_flags(module.Args, flags)
-        module.validate_args(getattr(module, "with_loss_defaults", lambda args: args)(args))
+        words = shlex.split(command)
+        assert words[:4] == ["uv", "run", "python", f"cleanba/{readme_commands.SCRIPTS[name.split('@')[0]]}"]
+        module = load_script(REPO / words[3])
+        args = getattr(module, "with_loss_defaults", lambda args: args)(parse_flags(module.Args, words[4:]))
+        module.validate_args(args)
+        written = written_values(words[4:])
+        assert written["env_id"] == [readme_commands.env_id_of(command)] == [args.env_id], command
+        for field, values in written.items():
+            value = getattr(args, field)
+            assert (list(value) if isinstance(value, (list, tuple)) else [value]) == values, (name, field, value)
 
 
 def test_window_averages_match_a_plain_loop():
