@@ -14,6 +14,7 @@ from conftest import (
     ONPOLICY_SCRIPT,
     PPO_SCRIPT,
     R2D2_SCRIPT,
+    REPO,
     SAC_SCRIPT,
     load_script,
     one_error_line,
@@ -367,3 +368,10 @@ def test_each_readme_layout_starts_with_the_defaults_or_with_the_values_the_erro
     else:
         pytest.fail(f"still refused after the errors' values: {errors}")
     assert bool(errors) == (script not in STARTS_WITH_THE_DEFAULTS and len(learner_device_ids) % 3 == 0), errors
+
+
+def test_the_readme_names_the_scripts_whose_defaults_start_on_every_layout():
+    """The README's Devices paragraph says whose defaults start on every layout: the scripts the test above finds."""
+    devices = (REPO / "README.md").read_text().split("## Devices")[1]
+    named = re.findall(r"`(cleanba_\w+\.py)`'s defaults start on every\s+layout", devices)
+    assert sorted(named) == sorted(script.name for script in STARTS_WITH_THE_DEFAULTS)

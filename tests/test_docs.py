@@ -3,12 +3,16 @@ comment is a heading that exists (anchors as mkdocs makes them), and no pointer 
 learner loop") that no test can follow; and the pages' "ends at `update=N/N global_step=M`" lines are what their
 commands' flags give."""
 
+import json
 import re
+import shlex
+import statistics
 
 from conftest import REPO
 from markdown.extensions.toc import slugify
 
 CODE = [*REPO.glob("cleanba/*.py"), *REPO.glob("cleanrl_utils/**/*.py"), *REPO.glob("benchmark/*.py")]
+README = REPO / "README.md"
 POINTER = re.compile(r"\b(README\.md|docs/[\w./-]+\.md)(?:#([\w-]+))?")
 
 
@@ -54,6 +58,19 @@ def test_anchors_are_the_ones_mkdocs_makes():
 END_LINE = re.compile(r"update=(\d+)/(\d+) global_step=(\d+)")
 
 
+def commented_commands(block: str) -> list[tuple[str, list[str]]]:
+    """A bash block's commands, each group with the comment lines just above it (up to the next comment)."""
+    groups = [("", [])]
+    for line in block.replace("\\\n", " ").splitlines():
+        if line.startswith("#"):
+            if groups[-1][1]:
+                groups.append(("", []))
+            groups[-1] = (f"{groups[-1][0]} {line[1:].strip()}".strip(), groups[-1][1])
+        elif "cleanba/cleanba_" in line:
+            groups[-1][1].append(" ".join(line.split()))
+    return [(comment, commands) for comment, commands in groups if commands]
+
+
 def commands_and_their_end_lines(page) -> list[tuple[list[str], list[tuple[int, int, int]]]]:
     """The commands of a page's bash blocks, each group with the `update=N/N global_step=M` lines said of it: in the
     comment lines just above the commands (up to the next comment), or in the prose after a block (its commands)."""
@@ -63,14 +80,10 @@ def commands_and_their_end_lines(page) -> list[tuple[list[str], list[tuple[int, 
     for block, following in zip(blocks, [*blocks[1:], None]):
         if block.group(1) != "bash":
             continue
-        groups = [([], [])]  # (commands, ends) after each comment
-        for line in block.group(2).replace("\\\n", " ").splitlines():
-            if line.startswith("#"):
-                if groups[-1][0]:
-                    groups.append(([], []))
-                groups[-1][1].extend(tuple(map(int, match)) for match in END_LINE.findall(line))
-            elif "cleanba/cleanba_" in line:
-                groups[-1][0].append(" ".join(line.split()))
+        groups = [
+            (commands, [tuple(map(int, end)) for end in END_LINE.findall(comment)])
+            for comment, commands in commented_commands(block.group(2))
+        ]
         prose = text[block.end() : following.start() if following else len(text)]
         commands = [command for group in groups for command in group[0]]
         groups.append((commands, [tuple(map(int, match)) for match in END_LINE.findall(prose)]))
@@ -112,3 +125,71 @@ def test_the_end_lines_the_pages_promise_are_the_commands_own():
             wrong += [f"{page.relative_to(REPO)}: {end} is none of {computed}" for end in ends if end not in computed]
     assert not wrong, "\n".join(wrong)
     assert checked >= 8  # the README's one-per-algorithm CPU commands say where they end
+
+
+# "under 30 s", "about 3 min", "40 s each", "in under a minute": a README command's promised wall time
+PROMISED_TIME = re.compile(r"\b(under |about )?(a|\d+) (s|min|minute)\b")
+
+
+def run_key(command: str) -> tuple[str, frozenset] | None:
+    """A command's script and flags (the seed left out), however they are ordered or wrapped."""
+    words = shlex.split(command)
+    script = next((word for word in words if word.startswith("cleanba/cleanba_")), None)
+    if script is None:
+        return None
+    flags, name = {}, None
+    for word in words[words.index(script) + 1 :]:
+        if word.startswith("--"):
+            name = word
+            flags[name] = ()
+        else:
+            flags[name] += (word,)
+    flags.pop("--seed", None)
+    return script, frozenset(flags.items())
+
+
+def recorded_wall_times() -> dict[tuple[str, frozenset], list[float]]:
+    """The wall times benchmark/readme_commands.py (and learning_runs.py) recorded for each command, oldest first."""
+    times = {}
+    for results in sorted((REPO / "benchmark" / "results").glob("*.jsonl")):
+        for line in results.read_text().splitlines():
+            record = json.loads(line)
+            key = run_key(record.get("command", ""))
+            if key is not None and "wall_s" in record:
+                times.setdefault(key, []).append(record["wall_s"])
+    return times
+
+
+def test_the_readmes_run_times_are_what_the_ten_seed_runs_recorded():
+    """Each README CPU command's promised time against its newest ten recorded runs: "under N" is at least their
+    longest, "about N" (or a bare "N") within 30% of their median (timings vary by that much between machines)."""
+    recorded, checked, wrong = recorded_wall_times(), 0, []
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S)
+    for comment, commands in [group for block in blocks for group in commented_commands(block)]:
+        promises = PROMISED_TIME.findall(comment.split("ends at")[0])
+        if not promises:  # the test command
+            continue
+        kind, number, unit = promises[-1]
+        seconds = (1 if number == "a" else int(number)) * (60 if unit != "s" else 1)
+        for command in commands:
+            times = recorded.get(run_key(command), [])[-10:]
+            assert len(times) == 10, f"fewer than ten recorded runs of {command}"
+            checked += 1
+            longest, median = max(times), statistics.median(times)
+            if kind == "under " and longest > seconds:
+                wrong.append(f"{comment!r}: the longest of ten runs took {longest} s")
+            if kind != "under " and not seconds / 1.3 <= median <= seconds * 1.3:
+                wrong.append(f"{comment!r}: the median of ten runs is {median} s")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 11  # the quick start's and the ten below it
+
+
+def test_the_readmes_lag_sentence_is_its_tables():
+    """ "from update N on the learner trains on data one version older than its params": the README's timeline table
+    (actor `vX -> rK`, learner `rK: vA -> vB`) gives lag 0 before update N and 1 from it on."""
+    text = README.read_text()
+    actor_version = {int(k): int(v) for v, k in re.findall(r"v(\d+) -> r(\d+)", text)}
+    learner_version = {int(k): int(a) for k, a in re.findall(r"r(\d+): v(\d+) -> v\d+", text)}
+    lags = [learner_version[k] - actor_version[k] for k in sorted(learner_version)]
+    first = int(re.search(r"from update (\d+) on the\s+learner trains on data one version older", text).group(1))
+    assert lags == [0] * (first - 1) + [1] * (len(lags) - first + 1), lags
