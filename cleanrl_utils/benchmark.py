@@ -10,8 +10,8 @@ task has --slurm-ntasks tasks over --slurm-nodes nodes, started by srun: one jax
 each). W&B runs are tagged with the git commit (WANDB_TAGS).
 
 It also holds what the tools in benchmark/ share (their `fail`, run folders, TensorBoard scalars, figures, the
-machine a record ran on, the README's commands); each tool's entry is `cleanrl_utils.cli.run_cli`, so bad input is
-one `error:` line with exit code 2 everywhere.
+machine a record ran on, the README's commands); each tool's entry is `cleanrl_utils.cli.run_cli` (`run_main` for
+train_in_parts.py's argparse), so bad input is one `error:` line with exit code 2 everywhere.
 """
 
 import os
