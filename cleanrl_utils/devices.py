@@ -1,6 +1,7 @@
 """Device layout: host devices on CPU, the layout of a run's devices (`device_layout`: jax.distributed started by
-cleanrl_utils/processes.py, the learner mesh built by cleanrl_utils/data_path.py, the device-id checks), envpool
-threads, and moving replicated trees between the mesh, the actor devices and the host.
+cleanrl_utils/processes.py and watched by cleanrl_utils/liveness.py, the learner mesh built by
+cleanrl_utils/data_path.py, the device-id checks), envpool threads, and moving replicated trees between the mesh,
+the actor devices and the host.
 
 The actor devices are local to each process; the learner devices are `--learner-device-ids` of *every* process,
 in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
@@ -11,22 +12,38 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cleanrl_utils.agreement import agree_on_flags
 from cleanrl_utils.data_path import learner_mesh
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import flag
-from cleanrl_utils.processes import agree_on_flags, start_distributed
+from cleanrl_utils.liveness import start_watching
+from cleanrl_utils.processes import start_distributed
 
 
-def ensure_host_devices(device_ids: list[int]):
-    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend.
+def ensure_host_devices(actor_device_ids: list[int], learner_device_ids: list[int], actor_threads: int):
+    """CPU laptops: make enough host devices for the requested ids before JAX starts a backend, and, where the learner
+    spans several of them, enough threads for their collectives (`collective_threads`).
 
     The flag only affects JAX's CPU platform, so it is harmless on GPU/TPU hosts. A count the user
     already set in XLA_FLAGS wins (appending never overwrites it); too few then fails the id check.
     """
-    needed = max(device_ids) + 1
+    needed = max(actor_device_ids + learner_device_ids) + 1
     xla_flags = os.environ.get("XLA_FLAGS", "")
     if needed > 1 and "--xla_force_host_platform_device_count" not in xla_flags:
         os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_force_host_platform_device_count={needed}".strip()
+    if len(learner_device_ids) > 1 and not (os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")):
+        os.environ["PJRT_NPROC"] = str(collective_threads(needed, actor_threads, len(os.sched_getaffinity(0))))
+
+
+def collective_threads(host_devices: int, actor_threads: int, cores: int) -> int:
+    """The threads of XLA's CPU client (`PJRT_NPROC`; by default its pool has max(cores, devices) threads, and so has
+    its intra-op pool) for a learner on several host devices. The pool runs every device's programs, and a device's
+    part of a collective holds its thread until every device has joined. A device with 32 programs queued (XLA's
+    in-flight limit; a PPO update with --num-minibatches 32 queues 34) makes the next launch wait on a pool thread:
+    with those and the collective's first parts holding every thread, its last part finds none, and XLA aborts the
+    process after 40 s ("Termination timeout for all reduce", then a C++ stack trace). Room for a running program on
+    each device, and for a waiting launch from each device and each actor thread, twice over, keeps a thread free."""
+    return max(cores, 2 * (host_devices + actor_threads))
 
 
 def envpool_num_threads(requested: int, actor_threads_per_process: int) -> int:
@@ -56,11 +73,13 @@ def device_layout(args) -> DeviceLayout:
     """Start jax.distributed if asked (`args.distributed`), then check the device ids against this process's
     devices. Call it after the flag checks: it starts JAX's backend."""
     actor_device_ids = getattr(args, "actor_device_ids", [])  # an Anakin script has none: it acts on its learners
-    ensure_host_devices(actor_device_ids + args.learner_device_ids)
+    actor_threads = len(actor_device_ids) * getattr(args, "num_actor_threads", 0)
+    ensure_host_devices(actor_device_ids, args.learner_device_ids, actor_threads)
     import jax
 
     if args.distributed:
         start_distributed(args)  # cleanrl_utils/processes.py
+        start_watching(args.heartbeat_timeout)  # which peers are still there
         agree_on_flags(args)
     local_devices = jax.local_devices()
     for name, ids in [("actor_device_ids", actor_device_ids), ("learner_device_ids", args.learner_device_ids)]:

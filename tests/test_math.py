@@ -152,14 +152,32 @@ def test_host_devices_are_appended_to_the_users_xla_flags(monkeypatch):
     from cleanrl_utils.devices import ensure_host_devices
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_use_thunk_runtime=true")
-    ensure_host_devices([0, 1, 2])  # actor 0, learners 1 and 2
+    ensure_host_devices([0], [1, 2], actor_threads=2)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count=3"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    ensure_host_devices([0, 1, 2])  # the user's own count wins
+    ensure_host_devices([0], [1, 2], actor_threads=2)  # the user's own count wins
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
     monkeypatch.delenv("XLA_FLAGS")
-    ensure_host_devices([0, 0])
+    ensure_host_devices([0], [0], actor_threads=2)
     assert "XLA_FLAGS" not in os.environ
+
+
+def test_a_learner_on_several_host_devices_gets_threads_for_its_collectives(monkeypatch):
+    """XLA's CPU client pool is max(cores, devices) threads by default: a0-l1,2,3 with 2 actor threads gets room for
+    a running program and a waiting launch per device and actor thread, twice over (cleanrl_utils/devices.py)."""
+    from cleanrl_utils.devices import collective_threads, ensure_host_devices
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    ensure_host_devices([0], [1], actor_threads=2)  # one learner device: no collective, XLA's default
+    assert "PJRT_NPROC" not in os.environ
+    ensure_host_devices([0], [1, 2, 3], actor_threads=2)
+    assert os.environ["PJRT_NPROC"] == str(max(len(os.sched_getaffinity(0)), 12))
+    assert collective_threads(4, 2, cores=2) == 12 and collective_threads(4, 2, cores=64) == 64
+    monkeypatch.setenv("PJRT_NPROC", "5")
+    ensure_host_devices([0], [1, 2, 3], actor_threads=2)  # the user's own count wins
+    assert os.environ["PJRT_NPROC"] == "5"
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 4])

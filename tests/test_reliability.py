@@ -365,6 +365,22 @@ def test_an_update_larger_than_the_host_stops_with_one_line_before_it_runs(tmp_p
     assert list((run.run_dir / "checkpoints").iterdir()) == []  # not even update 1's: no update ran
 
 
+@pytest.mark.slow
+def test_a_learner_on_three_host_devices_with_many_programs_queued_trains_to_the_end(tmp_path):
+    """The design's layout a0-l1,2,3 on a CPU, with 68 learner programs queued per update (32 minibatches x 2 epochs
+    of the IMPALA CNN, 2 samples each): more than XLA's 32 in flight per device. With XLA's default CPU thread pool
+    (max(cores, devices): 4 here) the third device's part of an all-reduce found no thread, and XLA aborted the run
+    after 40 s with a C++ stack trace (as with PJRT_NPROC=4); cleanrl_utils.devices.collective_threads sizes it."""
+    flags = (
+        "--env-id Breakout-v5 --actor-device-ids 0 --learner-device-ids 1 2 3 --local-num-envs 6 --num-steps 16 "
+        "--num-minibatches 32 --update-epochs 2 --total-timesteps 768 --checkpoint-frequency 0 --log-frequency 1"
+    ).split()
+    run = run_script(flags, tmp_path, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "update=4/4 global_step=768" in run.stdout and "final params" in run.stdout
+    assert "rendezvous" not in run.stderr and "Check failure" not in run.stderr, run.stderr[-3000:]
+
+
 # ---------------------------------------------------------------- two processes
 
 
