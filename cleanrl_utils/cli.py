@@ -6,7 +6,7 @@ and a bad flag value or choice (tyro's parse errors) as one `error:` line with e
 has started, a failed process ends at once (cleanrl_utils.processes.exit_process, the one other place a process
 exits): the interpreter's exit barrier would wait for peers that
 may still be training (they stop with their own error, or when their heartbeat times out); a failure in a collective
-because a peer ended first is one line naming that peer (cleanrl_utils/processes.py).
+because a peer ended first is one line naming that peer (cleanrl_utils/liveness.py).
 """
 
 import contextlib
@@ -17,7 +17,8 @@ import traceback
 import tyro
 
 from cleanrl_utils.errors import UsageError, error_line, exit_code
-from cleanrl_utils.processes import distributed_started, exit_process, outlive_peers, peer_failure_line
+from cleanrl_utils.liveness import outlive_peers, peer_failure_line
+from cleanrl_utils.processes import distributed_started, exit_process
 
 
 def parse_flags(args_class, argv: list[str] | None = None):

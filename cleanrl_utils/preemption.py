@@ -10,11 +10,12 @@ Every SIGTERM means the same: Slurm signals each task SIGTERM, SIGCONT and SIGTE
 itself sends SIGKILL when the grace time is over. A second Ctrl-C, typed by a person, interrupts at once.
 """
 
-import os
 import signal
 import threading
 
 import numpy as np
+
+from cleanrl_utils.processes import slurm_job_id
 
 
 class Preemption:
@@ -62,12 +63,10 @@ class Preemption:
         requeues a preempted job; a new submission would be a new job id, hence a new default run name)."""
         if not self.stop_signal:
             return
-        job = os.environ.get("SLURM_JOB_ID")
-        if job is None:
+        job_id = slurm_job_id()
+        if job_id is None:
             how = f"run the same command (--run-name {run_name}) to resume"
         else:
-            array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-            job_id = f"{array_task[0]}_{array_task[1]}" if None not in array_task else job
             how = (
                 f"Slurm job {job_id} resumes it when requeued (cleanba.slurm_template requeues a preempted job; "
                 f"by hand: scontrol requeue {job_id}, or any job with --run-name {run_name})"

@@ -9,9 +9,9 @@ import fcntl
 import os
 import sys
 
+from cleanrl_utils.agreement import agreed_time
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import check_name, flag
-from cleanrl_utils.processes import agreed_time
 
 
 def default_run_name(env_id: str, exp_name: str, seed: int) -> str:

@@ -46,7 +46,7 @@ def test_two_processes_train_one_learner(workdir):
 def test_a_dead_process_ends_the_other_within_60_seconds(workdir):
     """A killed worker: the survivor's next all-reduce fails and it ends with one line naming the dead process. A
     killed process 0 takes JAX's coordination service with it, and JAX aborts the survivor itself (it takes no
-    handler for that: cleanrl_utils/processes.py); either way the survivor exits non-zero at once."""
+    handler for that: cleanrl_utils/liveness.py); either way the survivor exits non-zero at once."""
     for victim in [1, 0]:  # a worker, then the coordinator
         processes = start_processes(
             [*CARTPOLE, "--local-num-envs", "4", "--total-timesteps", "100000000"], workdir, 2, run_name=f"kill{victim}"

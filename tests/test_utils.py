@@ -359,7 +359,6 @@ def test_under_slurm_each_process_sees_every_gpu_its_device_flags_name(user_ids,
     monkeypatch.setattr(jax.distributed, "initialize", lambda *args, **kwargs: calls.append((args, kwargs)))
     monkeypatch.setattr(processes, "mark_distributed", lambda started: None)
     monkeypatch.setattr(processes, "check_own_addresses", lambda timeout: None)
-    monkeypatch.setattr(processes, "_listen_for_peers", lambda: None)
     args = dataclasses.replace(_layout_args(), learner_device_ids=[1, 2, 3])
     args.coordinator_address, args.num_processes, args.process_id, args.heartbeat_timeout = None, None, None, 30
     processes.start_distributed(args)
@@ -667,9 +666,10 @@ def test_library_modules_import_no_cycle_exit_in_one_place_and_change_nothing_at
     for path, name in modules.items():
         tree = ast.parse(path.read_text())
         imports[name] = {
-            node.module
+            node.module if node.module != "cleanrl_utils" else f"cleanrl_utils.{alias.name}"  # from the package
             for node in ast.walk(tree)
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
+            for alias in node.names
         } | {
             alias.name
             for node in ast.walk(tree)
