@@ -705,7 +705,9 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
     minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
     minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
     minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
-    # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
+    # each one's first call stops the run with one line if it cannot fit the devices' free memory
+    # (cleanrl_utils/memory.py): the advantage pass holds the whole batch, a minibatch step its minibatch
+    batch_of = checked_for_memory(batch_of, "lower --local-num-envs or --num-steps", "the learner's advantage pass")
     lower_memory = "raise --num-minibatches, or lower --local-num-envs or --num-steps"
     minibatch_update = checked_for_memory(minibatch_update, lower_memory)
     shuffle = jax.jit(shard_map(shuffle, in_specs=(replicated,), out_specs=sharded_steps))
@@ -789,12 +791,16 @@ def state_summary(state: LearnerState) -> str:
 def main(args: Args) -> int:
     args = with_loss_defaults(args)
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals; `run.args`: a copy of the flags with the sizes the layout gives them
+    # (the batch, the global env count, the updates: cleanrl_utils/flags.py) and the run's name
     run = SebulbaRun(args, __file__, check_runtime_values)
+    args = run.args
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
+    # data-parallel over run.mesh, every process's learner devices; the first call of each of its programs stops the
+    # run with one line if the program cannot fit the devices' free memory (cleanrl_utils/memory.py)
     learner_update = make_learner_update(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
     state = LearnerState(replicate(agent_state, run.mesh), learner_key)
@@ -817,13 +823,15 @@ def main(args: Args) -> int:
         for update in run.updates():
             # every actor thread's rollout (each skipped one params get: it acts one version behind)
             outputs = run.get_rollouts(rollout_queues)
-            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
+            # each thread sent each learner device its share of envs; one global array, sharded over the learner
+            # devices (cleanrl_utils/data_path.py)
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.global_num_envs)
             # the update donates its input: a copy is kept in case it diverges
             before = run.copy_learner_state(state)
             state, metrics = learner_update(state, storage)
             # NaN or inf: checkpoints `before` and stops the run
             metrics = run.wait_for_finite(update, state, metrics, before)
-            # the actors get version `update` only now that it is finite
+            # the actors get version `update` only now that it is finite; after the last update none waits for one
             if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
             # logged; checkpointed every --checkpoint-frequency

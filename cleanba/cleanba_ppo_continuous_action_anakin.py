@@ -569,14 +569,18 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals; `run.args`: a copy of the flags with the sizes the layout gives them
+    # (the batch, the global env count, the updates: cleanrl_utils/flags.py) and the run's name
     run = AnakinRun(args, __file__, check_runtime_values)
+    args = run.args
     # every key is the same in every process: each env's keys are its own slice of envs_key's split
     agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
     env = make_jax_env(args.env_id)
     num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
     envs = reset_envs(env, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
+    # data-parallel over run.mesh, every process's learner devices; the first call of each of its programs stops the
+    # run with one line if the program cannot fit the devices' free memory (cleanrl_utils/memory.py)
     learner_update = make_learner_update(args, agent, env, run.mesh)
     # replicated over the mesh as the update returns them: the second update does not compile anew
     state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)

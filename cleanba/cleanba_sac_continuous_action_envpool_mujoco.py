@@ -499,7 +499,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
         experience=sample_specs, current_index=replicated, is_full=replicated
     )
     minibatch_specs = Minibatch(sample_specs, *([sharded_samples] * 3))
-    num_devices, global_envs = mesh.devices.size, args.batch_size // args.num_steps
+    num_devices, global_envs = mesh.devices.size, args.global_num_envs
     local_buffer = make_replay_buffer(args, num_devices, global_envs, local=True)
     local_gradient_step = partial(sac_gradient_step, agent=agent, args=args)
 
@@ -604,7 +604,7 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's rollout is all a replay holds after it: with one step per rollout, it has no pair yet
     args.learning_starts_updates = max(-(-args.learning_starts // args.batch_size), int(args.num_steps == 1))
-    global_envs = args.batch_size // args.num_steps
+    global_envs = args.global_num_envs
     num_learner_devices = len(layout.global_learner_devices)
     check_minibatch_split(args.minibatch_size, num_learner_devices)
     if args.buffer_size // global_envs < max(args.num_steps, 2):
@@ -632,12 +632,16 @@ def state_summary(state: LearnerState) -> str:
 
 def main(args: Args) -> int:
     validate_args(args)  # bad flags stop here, before JAX starts a backend
-    # devices, run folder, checkpoints, signals
+    # devices, run folder, checkpoints, signals; `run.args`: a copy of the flags with the sizes the layout gives them
+    # (the batch, the global env count, the updates: cleanrl_utils/flags.py) and the run's name
     run = SebulbaRun(args, __file__, set_runtime_values)
+    args = run.args
     # the agent and learner keys are the same in every process; each actor thread folds the update the run starts at
     # and its global index into actor_key, so no two threads, processes or resumed runs sample with the same key
     agent_key, learner_key, actor_key = jax.random.split(jax.random.key(args.seed), 3)
     agent, agent_state = make_agent(args, agent_key)
+    # data-parallel over run.mesh, every process's learner devices; the first call of each of its programs stops the
+    # run with one line if the program cannot fit the devices' free memory (cleanrl_utils/memory.py)
     learner = make_learner_fns(args, agent, run.mesh)
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
     state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
@@ -662,14 +666,16 @@ def main(args: Args) -> int:
         for update in run.updates():
             # every actor thread's rollout (each skipped one params get: it acts one version behind)
             outputs = run.get_rollouts(rollout_queues)
-            storage = assemble_global_rollout(outputs.storages, run.mesh, args.batch_size // args.num_steps)
+            # each thread sent each learner device its share of envs; one global array, sharded over the learner
+            # devices (cleanrl_utils/data_path.py)
+            storage = assemble_global_rollout(outputs.storages, run.mesh, args.global_num_envs)
             train = update > args.learning_starts_updates  # random actions' data only, so far
             # the update donates its input: a copy (but the replay's) is kept in case it diverges
             before = run.copy_learner_state(state)
             state, metrics = learner.update(state, storage, train)
             # NaN or inf: checkpoints `before` and stops the run
             metrics = run.wait_for_finite(update, state, metrics, before)
-            # the actors get version `update` only now that it is finite
+            # the actors get version `update` only now that it is finite; after the last update none waits for one
             if update < args.num_updates:
                 run.broadcast(params_queues, actor_params(state.agent), version=update)
             # logged; checkpointed every --checkpoint-frequency

@@ -262,6 +262,8 @@ class DeviceArgs(RunArgs):
     """steps per update collected by this process"""
     batch_size: int = field(init=False, default=0)
     """steps per update over all processes"""
+    global_num_envs: int = field(init=False, default=0)
+    """envs over all processes: the learner's batch is global_num_envs x num_steps"""
     num_updates: int = field(init=False, default=0)
     """the number of learner updates"""
     world_size: int = field(init=False, default=1)
@@ -300,6 +302,7 @@ def derive_batch_values(args: DeviceArgs, *, world_size: int, local_rank: int, e
     args.world_size, args.local_rank = world_size, local_rank
     args.local_batch_size = args.local_num_envs * args.num_steps * env_copies
     args.batch_size = args.local_batch_size * world_size
+    args.global_num_envs = args.local_num_envs * env_copies * world_size
     args.num_updates = args.total_timesteps // args.batch_size
     if args.num_updates < 1:
         raise UsageError(

@@ -3,6 +3,7 @@
 A Sebulba script's `main` is the Sebulba protocol; each line of bookkeeping is one call of its `SebulbaRun`:
 
     run = SebulbaRun(args, __file__, runtime_values)        # devices, derived values, run folder, checkpoints, signals
+    args = run.args                                         # a copy of the flags, with the values derived from them
     state, actor_threads = run.start(state, state_summary)  # the newest checkpoint of --run-name or `state`; logger
     run.start_actor(actor, thread, ...)                     # for thread in actor_threads: a supervised daemon thread
     run.broadcast(params_queues, params, version)           # one copy of the params per actor device, to every thread
@@ -26,6 +27,7 @@ script, `replay` (in an Anakin script, `envs`): it is what a checkpoint holds. W
 calls these methods in the same order (checkpoints and digests are collective).
 """
 
+import copy
 import dataclasses
 import os
 import sys
@@ -35,6 +37,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from cleanrl_utils import liveness
 from cleanrl_utils.actors import ActorThread, ActorThreads, RunStopped, queue_get, queue_put
 from cleanrl_utils.checkpoints import Checkpoints
 from cleanrl_utils.data_path import anakin_layout_lines, layout_lines
@@ -63,7 +66,9 @@ class Run:
     def __init__(self, args, script: str, runtime_values: Callable | None = None):
         """Starts the run: JAX's devices (and jax.distributed), the values derived from the flags (the batch, then
         `runtime_values(args, layout)`, the script's own: it checks them, and sets those it derives), the run folder
-        and its lock, the checkpoint folder, and the SIGTERM / Ctrl-C handlers."""
+        and its lock, the checkpoint folder, and the SIGTERM / Ctrl-C handlers. `self.args` holds the flags with those
+        values and the default names filled in: a copy, the parsed flags are left as they are."""
+        args = copy.copy(args)
         if args.exp_name is None:
             args.exp_name = os.path.basename(script)[: -len(".py")]
         self.args, self.script = args, script
@@ -201,7 +206,9 @@ class Run:
             upload_succeeded = save_evaluate_upload(args, self.script, saved_model(state))
         self.logger.finish()
         self.folder.release()
+        liveness.stop_watching()  # peers leave the barrier below one by one: none of them is a silent host
         shutdown()  # jax.distributed
+        liveness.close()
         # 143 SIGTERM, 130 Ctrl-C; 1: the model, card and video are on disk (see the error above), the upload is missing
         return self.preemption.exit_code or (0 if upload_succeeded else 1)
 

@@ -71,6 +71,8 @@ def args_for(num_learner_devices: int, **flags) -> "r2d2.Args":
         }
     )
     args.batch_size = args.local_num_envs * args.num_steps  # what set_runtime_values derives for one process
+    args.global_num_envs = args.local_num_envs
+    args.global_num_envs = args.local_num_envs
     args.gradient_steps = 2
     return args
 
