@@ -698,3 +698,23 @@ def test_library_modules_import_no_cycle_exit_in_one_place_and_change_nothing_at
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
+
+
+@pytest.mark.parametrize(
+    "variables,job_id",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "41"}, "41"),
+        ({"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "42", "SLURM_ARRAY_TASK_ID": "1"}, "42_1"),
+        ({"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "42"}, "43"),  # no task id: the job itself, never 42_None
+    ],
+)
+def test_the_slurm_job_id_is_what_scontrol_requeue_takes(variables, job_id, monkeypatch):
+    """One Slurm job id for every line that names it (the preemption line, a silent peer's line)."""
+    from cleanrl_utils.processes import slurm_job_id
+
+    for name in ["SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert slurm_job_id() == job_id
