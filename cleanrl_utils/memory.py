@@ -6,9 +6,11 @@ OOM killer (SIGKILL, no message at all; the default Breakout PPO update on a 24 
 compiles twice), reads what XLA's buffer assignment allocates for it (`compiled.memory_analysis()`, per device), and
 raises `OutOfDeviceMemory` (one `error:` line naming the flags that lower it, exit code 2) when that exceeds what the
 devices have free: on a GPU or TPU, its allocator's `bytes_limit - bytes_in_use`; on a CPU, the host's `MemAvailable`
-(or the cgroup's `memory.max - memory.current` where lower), shared by the process's CPU devices, so their needs add up.
+or, where lower, the room this process's cgroup and each of its ancestors leave (a container, a systemd scope, a Slurm
+job under task/cgroup: `own_cgroup_memory`, cgroup v1 and v2), shared by the process's CPU devices, so their needs add up.
 """
 
+import os
 from collections.abc import Callable
 
 from cleanrl_utils.errors import UsageError
@@ -45,10 +47,72 @@ def meminfo_available_bytes(meminfo: str) -> int | None:
     return None
 
 
-def cgroup_available_bytes(limit: str, current: str) -> int | None:
-    """What a cgroup v2 (a container) still allows: its memory.max less its memory.current; None when unlimited."""
-    limit, current = limit.strip(), current.strip()
-    return int(limit) - int(current) if limit.isdigit() and current.isdigit() else None
+UNLIMITED = 2**62  # cgroup v1 writes "no limit" as 9223372036854771712
+# the files of a cgroup's limit and usage, and memory.stat's counter of its reclaimable page cache, by version
+CGROUP_FILES = {
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+}
+
+
+def own_cgroup_folders(self_cgroup: str, mountinfo: str, root: str = "") -> list[tuple[str, str]]:
+    """(folder, version) of this process's cgroup in each hierarchy that may hold the memory controller, and of each
+    ancestor up to the hierarchy's mount, innermost first. /proc/self/cgroup's lines give the paths (v1:
+    `N:...memory...:/path`; v2: `0::/path`); /proc/self/mountinfo gives where each hierarchy is mounted (fields 4 and
+    5: the root it mounts and the mount point; after " - ": the type, the source, the options). A path outside the
+    mounted root (a container's own namespace) is the mount itself. `root` prefixes the paths (a test's fake tree)."""
+    mounts = []  # (type, options, mounted root, mount point)
+    for line in mountinfo.splitlines():
+        fields, _, after = line.partition(" - ")
+        fields, after = fields.split(), after.split()
+        if len(fields) >= 5 and len(after) >= 3 and after[0] in ("cgroup", "cgroup2"):
+            mounts.append((after[0], after[2].split(","), fields[3], fields[4]))
+    found = []
+    for line in self_cgroup.splitlines():
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if hierarchy == "0" else "v1"
+        if version == "v1" and "memory" not in controllers.split(","):
+            continue
+        for kind, options, mounted_root, mount_point in mounts:
+            if kind != {"v1": "cgroup", "v2": "cgroup2"}[version] or (version == "v1" and "memory" not in options):
+                continue
+            relative = path[len(mounted_root) :] if path.startswith(mounted_root) else ""
+            top = os.path.normpath(root + mount_point)
+            folder = os.path.normpath(f"{top}/{relative.strip('/')}")
+            while folder.startswith(top):
+                found.append((folder, version))
+                if folder == top:
+                    break
+                folder = os.path.dirname(folder)
+    return found
+
+
+def cgroup_limit_and_usage(limit: str, usage: str, stat: str, version: str) -> tuple[int, int] | None:
+    """A cgroup's memory limit and usage (its files' texts), the usage less its inactive page cache (reclaimable:
+    memory.stat's `inactive_file`, v1's `total_inactive_file`); None when unlimited (v2's "max", v1's 2**63 - 1
+    rounded to pages)."""
+    limit, usage = limit.strip(), usage.strip()
+    if not (limit.isdigit() and usage.isdigit()) or int(limit) >= UNLIMITED:
+        return None
+    counters = dict(line.split(maxsplit=1) for line in stat.splitlines() if " " in line)
+    inactive = int(counters.get(CGROUP_FILES[version][2], "0"))
+    return int(limit), max(0, int(usage) - inactive)
+
+
+def own_cgroup_memory(root: str = "") -> list[tuple[int, int]]:
+    """(limit, usage) of each of this process's cgroups, and their ancestors, that limit memory (`own_cgroup_folders`,
+    `cgroup_limit_and_usage`); `root` prefixes every path read (a test's fake tree)."""
+    self_cgroup, mountinfo = read_text(f"{root}/proc/self/cgroup"), read_text(f"{root}/proc/self/mountinfo")
+    if self_cgroup is None or mountinfo is None:
+        return []
+    found = []
+    for folder, version in own_cgroup_folders(self_cgroup, mountinfo, root):
+        limit_file, usage_file, _ = CGROUP_FILES[version]
+        limit, usage = read_text(f"{folder}/{limit_file}"), read_text(f"{folder}/{usage_file}")
+        if limit is not None and usage is not None:
+            level = cgroup_limit_and_usage(limit, usage, read_text(f"{folder}/memory.stat") or "", version)
+            found += [level] if level is not None else []
+    return found
 
 
 def read_text(path: str) -> str | None:
@@ -59,16 +123,12 @@ def read_text(path: str) -> str | None:
         return None
 
 
-def host_available_bytes() -> int | None:
-    """What this process can still allocate on the host: the lower of MemAvailable and the cgroup's room (None where
-    neither is known, e.g. no /proc)."""
-    known = []
-    meminfo = read_text("/proc/meminfo")
-    if meminfo is not None:
-        known.append(meminfo_available_bytes(meminfo))
-    limit, current = read_text("/sys/fs/cgroup/memory.max"), read_text("/sys/fs/cgroup/memory.current")
-    if limit is not None and current is not None:
-        known.append(cgroup_available_bytes(limit, current))
+def host_available_bytes(root: str = "") -> int | None:
+    """What this process can still allocate on the host: the lower of MemAvailable and the room each of its cgroups
+    leaves (None where neither is known, e.g. no /proc)."""
+    meminfo = read_text(f"{root}/proc/meminfo")
+    known = [meminfo_available_bytes(meminfo) if meminfo is not None else None]
+    known += [limit - usage for limit, usage in own_cgroup_memory(root)]
     known = [value for value in known if value is not None]
     return min(known) if known else None
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import INT32_MAX, check_envs_split, nearest_that_work, suggestion
+from cleanrl_utils.memory import own_cgroup_memory
 
 GIB = 2**30
 
@@ -20,17 +21,10 @@ def tree_bytes(tree) -> int:
 
 
 def host_memory_bytes() -> int:
-    """This host's physical memory, or the memory limit of this process's cgroup (a container) where lower."""
-    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]:  # cgroup v2, v1
-        try:
-            with open(path) as file:
-                value = file.read().strip()
-        except OSError:
-            continue
-        if value.isdigit():  # v2 says "max" when unlimited
-            limit = min(limit, int(value))
-    return limit
+    """This host's physical memory, or the memory limit of this process's cgroups (a container, a Slurm job) where
+    lower."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min([physical] + [limit for limit, _ in own_cgroup_memory()])
 
 
 def device_memory_bytes(device) -> int | None:

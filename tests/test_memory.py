@@ -2,6 +2,7 @@
 reads from the host, and the wrapper on real programs (one larger than any host). A whole run stopped by it:
 tests/test_reliability.py."""
 
+import os
 from types import SimpleNamespace
 
 import jax
@@ -13,10 +14,11 @@ from cleanrl_utils.errors import UsageError
 from cleanrl_utils.memory import (
     HOST_SHARE,
     OutOfDeviceMemory,
-    cgroup_available_bytes,
     checked_for_memory,
     host_available_bytes,
     meminfo_available_bytes,
+    own_cgroup_folders,
+    own_cgroup_memory,
     program_need_bytes,
     shortfall,
 )
@@ -75,15 +77,101 @@ def test_the_cpu_devices_of_a_process_share_a_share_of_the_hosts_available_memor
     assert shortfall(10**15, cpus, host_free=lambda: None) is None  # nothing known: no check
 
 
-def test_the_hosts_available_memory_from_proc_meminfo_and_the_cgroup():
+def test_the_hosts_available_memory_from_proc_meminfo():
     meminfo = "MemTotal:       24684092 kB\nMemFree:        20509760 kB\nMemAvailable:   21718448 kB\n"
     assert meminfo_available_bytes(meminfo) == 21718448 * 1024
     assert meminfo_available_bytes("MemTotal:       24684092 kB\n") is None  # kernels before 3.14
-    assert cgroup_available_bytes("8589934592\n", "1073741824\n") == 7 * GIB
-    assert cgroup_available_bytes("max\n", "1073741824\n") is None  # unlimited
     with open("/proc/meminfo") as file:
         total = int(file.read().split("MemTotal:")[1].split()[0]) * 1024
     assert 0 < host_available_bytes() <= total
+
+
+def fake_host(root, self_cgroup: str, mountinfo: str, cgroups: dict[str, dict[str, str]]) -> str:
+    """A host's /proc and cgroup files under `root`: /proc/self/cgroup, /proc/self/mountinfo, 24 GiB available, and
+    each cgroup folder's files ({folder: {file: text}})."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text(self_cgroup)
+    (root / "proc" / "self" / "mountinfo").write_text(mountinfo)
+    (root / "proc" / "meminfo").write_text(f"MemAvailable:   {24 * GIB // 1024} kB\n")
+    for folder, files in cgroups.items():
+        (root / folder.strip("/")).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (root / folder.strip("/") / name).write_text(text)
+    return str(root)
+
+
+V1_MOUNTS = (
+    "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+    "32 31 0:29 / /sys/fs/cgroup/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+    "35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+    "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+)
+V2_MOUNT = "28 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
+UNLIMITED_V1 = "9223372036854771712\n"
+
+
+def test_a_cgroup_v1_job_and_its_ancestors_limit_the_room(tmp_path):
+    """A Slurm job under task/cgroup (cgroup v1): the job's limit, and its user's lower limit above it; the usage less
+    the inactive page cache, which the kernel reclaims before it kills."""
+    memory = "/sys/fs/cgroup/memory"
+    root = fake_host(
+        tmp_path,
+        "4:memory:/slurm/uid_0/job_7/step_0/task_0\n1:cpu:/\n0::/\n",
+        V1_MOUNTS,
+        {
+            f"{memory}/slurm/uid_0/job_7/step_0/task_0": {
+                "memory.limit_in_bytes": UNLIMITED_V1,
+                "memory.usage_in_bytes": str(GIB),
+            },
+            f"{memory}/slurm/uid_0/job_7": {
+                "memory.limit_in_bytes": str(3 * GIB),
+                "memory.usage_in_bytes": str(2 * GIB),
+                "memory.stat": f"cache 123\ntotal_inactive_file {GIB // 2}\n",
+            },
+            f"{memory}/slurm/uid_0": {"memory.limit_in_bytes": str(8 * GIB), "memory.usage_in_bytes": str(7 * GIB)},
+            memory: {"memory.limit_in_bytes": UNLIMITED_V1, "memory.usage_in_bytes": str(9 * GIB)},
+        },
+    )
+    assert own_cgroup_memory(root) == [(3 * GIB, GIB + GIB // 2), (8 * GIB, 7 * GIB)]
+    assert host_available_bytes(root) == GIB  # the user's room: 8 - 7 GiB, less than the job's 1.5 and the host's 24
+
+
+def test_a_cgroup_v2_scope_and_a_container_namespace_limit_the_room(tmp_path):
+    """cgroup v2: a systemd scope's memory.max (an ancestor without memory files counts for nothing); a container
+    whose cgroup namespace shows `0::/` and mounts its own cgroup as the root: the mount's files."""
+    scope = "/sys/fs/cgroup/user.slice/run-r1.scope"
+    files = {"memory.max": str(3 * GIB), "memory.current": str(GIB), "memory.stat": f"inactive_file {GIB // 4}\n"}
+    root = fake_host(
+        tmp_path / "scope",
+        "0::/user.slice/run-r1.scope\n",
+        V2_MOUNT,
+        {scope: files, "/sys/fs/cgroup/user.slice": {}, "/sys/fs/cgroup": {"memory.current": str(5 * GIB)}},
+    )
+    assert own_cgroup_memory(root) == [(3 * GIB, GIB - GIB // 4)]
+    assert host_available_bytes(root) == 3 * GIB - (GIB - GIB // 4)
+    container = fake_host(
+        tmp_path / "container",
+        "0::/\n",
+        "28 23 0:26 /docker/abc /sys/fs/cgroup ro - cgroup2 cgroup2 rw\n",
+        {"/sys/fs/cgroup": {"memory.max": str(2 * GIB), "memory.current": str(GIB)}},
+    )
+    assert own_cgroup_memory(container) == [(2 * GIB, GIB)]
+    unlimited = fake_host(
+        tmp_path / "unlimited",
+        "0::/a\n",
+        V2_MOUNT,
+        {"/sys/fs/cgroup/a": {"memory.max": "max\n", "memory.current": "1"}},
+    )
+    assert own_cgroup_memory(unlimited) == [] and host_available_bytes(unlimited) == 24 * GIB
+
+
+def test_this_hosts_own_cgroups_are_found():
+    """The real /proc/self/cgroup and mountinfo: the innermost memory cgroup first, up to its hierarchy's mount."""
+    with open("/proc/self/cgroup") as cgroup, open("/proc/self/mountinfo") as mountinfo:
+        folders = own_cgroup_folders(cgroup.read(), mountinfo.read())
+    memory_folders = [folder for folder, _ in folders if os.path.exists(os.path.join(folder, "memory.stat"))]
+    assert memory_folders, folders
+    assert all(os.path.isdir(folder) for folder, _ in folders), folders
 
 
 def test_the_checked_program_is_the_jitted_one_compiled_once_with_its_donation():

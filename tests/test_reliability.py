@@ -365,6 +365,69 @@ def test_an_update_larger_than_the_host_stops_with_one_line_before_it_runs(tmp_p
     assert list((run.run_dir / "checkpoints").iterdir()) == []  # not even update 1's: no update ran
 
 
+@pytest.fixture
+def memory_cgroup_of(tmp_path):
+    """`memory_cgroup_of(limit)`: a child of this process's own memory cgroup (v1 or v2, as root) limited to `limit`
+    bytes, and the command prefix that starts a process in it; removed at the end."""
+    from cleanrl_utils.memory import own_cgroup_folders
+
+    with open("/proc/self/cgroup") as cgroup, open("/proc/self/mountinfo") as mountinfo:
+        folders = own_cgroup_folders(cgroup.read(), mountinfo.read())
+    made = []
+
+    def make(limit: int) -> list[str]:
+        for folder, version in folders:
+            limit_file = {"v1": "memory.limit_in_bytes", "v2": "memory.max"}[version]
+            if not os.path.exists(os.path.join(folder, limit_file)):
+                continue
+            child = os.path.join(folder, f"cleanba-test-{os.getpid()}-{tmp_path.name}")
+            try:
+                os.mkdir(child)
+                made.append(child)
+                Path(child, limit_file).write_text(str(limit))
+            except OSError as error:
+                pytest.skip(f"cannot make a memory cgroup here (needs root): {error}")
+            return ["sh", "-c", f'echo $$ > {child}/cgroup.procs && exec "$@"', "sh"]
+        pytest.skip("no memory cgroup to make a child in")
+
+    yield make
+    for child in made:
+        for _ in range(50):  # the process may still be leaving it
+            try:
+                os.rmdir(child)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_an_update_larger_than_the_processs_cgroup_stops_with_one_line_before_it_runs(tmp_path, memory_cgroup_of):
+    """A container's, a systemd scope's or a Slurm job's memory limit (here a child cgroup of 1.5 GiB; the host has
+    more): SAC's update on 65,536-sample minibatches of 2,048-unit layers needs 6 GiB. The check reads the process's
+    own cgroup (and its ancestors): one line, exit 2, before the update runs (without it: the OOM killer, rc -9)."""
+    flags = (
+        "--env-id Pendulum-v1 --local-num-envs 4 --num-actor-threads 1 --num-steps 8 --hiddens 2048 "
+        "--minibatch-size 65536 --buffer-size 65536 --learning-starts 0 --replay-ratio 0.03125 "
+        "--checkpoint-frequency 1 --total-timesteps 320 --run-name test"
+    ).split()
+    prefix = memory_cgroup_of(3 * 2**29)
+    completed = subprocess.run(
+        [*prefix, *script_command(flags, None, SAC_SCRIPT)],
+        cwd=tmp_path,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert completed.returncode == 2, (completed.returncode, completed.stderr[-3000:])
+    assert error_lines(completed.stderr) == [
+        "error: the learner's update needs 6.0 GiB of memory, more than the "
+        + re.search(r"more than the ([\d.]+) GiB", completed.stderr).group(1)
+        + " GiB this host can give it (90% of its available memory): lower --minibatch-size"
+    ], completed.stderr
+    assert float(re.search(r"more than the ([\d.]+) GiB", completed.stderr).group(1)) < 1.5  # the cgroup's room
+
+
 @pytest.mark.slow
 def test_a_learner_on_three_host_devices_with_many_programs_queued_trains_to_the_end(tmp_path):
     """The design's layout a0-l1,2,3 on a CPU, with 68 learner programs queued per update (32 minibatches x 2 epochs
