@@ -159,7 +159,7 @@ for section in $sections; do
       ${PART_IN:+--part-in "$PART_IN"} -- ${PART_SCRIPT:-"$repo/cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py"} \
       $BREAKOUT10M_FLAGS
     code=$?
-    [ "$code" -ne 2 ] || exit 2  # a missing or unreadable PART_IN: one error line, nothing started
+    [ "$code" -ne 2 ] || exit 2  # a bad flag or a missing, unreadable or damaged PART_IN: one error line, nothing started
     [ "$code" -eq 0 ] || { echo "!! breakout10m part failed ($code)"; status=1; }
     ;;
   learner)

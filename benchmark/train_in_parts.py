@@ -14,8 +14,9 @@ Each part
      index): start and end update and global step, wall seconds, steps per second, the last average return, the peak
      GPU memory (nvidia-smi, sampled every second, if present), the exit code (0: the run is finished).
 
-A missing or unreadable --part-in, or one that holds no checkpoint of the run, is one `error:` line and exit code 2,
-before anything is started.
+A missing, unreadable or damaged --part-in (a piece missing, cut short, out of order or with a changed byte), or one
+that holds no checkpoint of the run, is one `error:` line and exit code 2, before anything is started or changed on
+disk: the whole pack is checked first, and an existing runs/{run name} is replaced only by a complete unpacked copy.
 
 usage (from the repository root):
   python benchmark/train_in_parts.py --out OUT --name breakout10m [--part-in OUT/breakout10m_part1.tar.gz] \\
@@ -23,15 +24,19 @@ usage (from the repository root):
 """
 
 import argparse
+import gzip
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 from cleanrl_utils.cli import run_main
@@ -59,23 +64,37 @@ def run_name_of(command: list[str]) -> str:
 
 
 def pack_pieces(path: Path) -> list[Path]:
-    """The files of a pack: `path` itself, or its pieces path.00, path.01, ..."""
+    """The files of a pack: `path` itself, or its pieces path.00, path.01, ... with none missing in between."""
     if path.is_file():
         return [path]
     pieces = sorted(path.parent.glob(f"{path.name}.[0-9][0-9]"))
     if not pieces:
         raise UsageError(f"--part-in {path}: no such file (nor its pieces {path.name}.00, ...)")
+    for index, piece in enumerate(pieces):
+        if piece.name != f"{path.name}.{index:02d}":
+            found = ", ".join(piece.name for piece in pieces)
+            raise UsageError(f"--part-in {path}: piece {path.name}.{index:02d} is missing (found {found})")
     return pieces
 
 
 def read_pack(path: Path, run_name: str) -> tarfile.TarFile:
-    """The previous part's pack, checked: readable, every member inside runs/{run_name}/, a checkpoint among them."""
-    data = b"".join(piece.read_bytes() for piece in pack_pieces(path))
+    """The previous part's pack, checked whole before anything on disk changes: every byte of every piece, every
+    member inside runs/{run_name}/, a checkpoint among them."""
     try:
-        pack = tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
+        data = b"".join(piece.read_bytes() for piece in pack_pieces(path))
+    except OSError as error:
+        raise UsageError(f"--part-in {path}: cannot read {error.filename}: {error.strerror}") from None
+    # Listing a tar.gz reads only its headers, so a changed byte in a file's data passes unnoticed. Decompressing it
+    # whole checks gzip's own CRC-32 and length over every byte: a piece missing, cut short, out of order or with a
+    # flipped byte fails here. It needs no digest file carried beside the pack (which could itself go missing).
+    try:
+        pack = tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:")
         names = pack.getnames()
-    except (tarfile.TarError, OSError, EOFError) as error:
-        raise UsageError(f"--part-in {path}: not a pack of a part ({error})") from None
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as error:
+        raise UsageError(
+            f"--part-in {path}: not a pack of a part, or a damaged one: a piece missing, cut short, out of order or "
+            f"changed ({error})"
+        ) from None
     folder = f"runs/{run_name}"
     outside = [name for name in names if name != folder and not name.startswith(f"{folder}/")]
     if outside:
@@ -83,6 +102,21 @@ def read_pack(path: Path, run_name: str) -> tarfile.TarFile:
     if not any(re.fullmatch(rf"{re.escape(folder)}/checkpoints/\d+", name) for name in names):
         raise UsageError(f"--part-in {path}: holds no checkpoint of {folder} (the previous part saved none)")
     return pack
+
+
+def unpack(pack: tarfile.TarFile, run_dir: Path):
+    """The pack's runs/{run_name} in place of `run_dir`: unpacked beside it first, so a failure (a full disk) leaves
+    the old folder as it was and no half-unpacked one."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}.unpacking-", dir=run_dir.parent))
+    try:
+        pack.extractall(staging, filter="data")
+        if run_dir.exists():
+            print(f"replacing {run_dir} with the pack's copy")
+            os.rename(run_dir, staging / "replaced")  # removed with the staging folder, once the new one is in place
+        os.rename(staging / "runs" / run_dir.name, run_dir)  # the pack holds runs/{run_name}/...
+    finally:
+        shutil.rmtree(staging)
 
 
 def parts_done(run_dir: Path) -> int:
@@ -201,13 +235,13 @@ def main(argv: list[str]) -> int:
     run_name = run_name_of(args.command)
     pack = read_pack(args.part_in, run_name) if args.part_in else None
     run_dir = Path("runs") / run_name
-    if run_dir.exists():
-        print(f"removing {run_dir}: " + ("the pack replaces it" if pack else "a part without --part-in starts afresh"))
-        shutil.rmtree(run_dir)
     command = list(args.command)
     if pack:
-        pack.extractall(".", filter="data")
+        unpack(pack, run_dir)
         command.append("--resume")  # fails rather than starting afresh if the checkpoint cannot be read
+    elif run_dir.exists():
+        print(f"removing {run_dir}: a part without --part-in starts afresh")
+        shutil.rmtree(run_dir)
     part = parts_done(run_dir) + 1
     run_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)

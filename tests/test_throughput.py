@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pytest
 from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, TINY_BREAKOUT, read_scalars, script_env
@@ -390,7 +391,7 @@ def test_gpu_benchmarks_breakout10m_refuses_a_bad_part_in_in_one_line(pack, work
 
 def test_a_large_pack_is_split_into_pieces_that_unpack_as_one(workdir, monkeypatch):
     sys.path.insert(0, str(REPO / "benchmark"))
-    from train_in_parts import pack_run, read_pack
+    from train_in_parts import pack_run, read_pack, unpack
 
     run_dir = workdir / "runs" / "big"
     for update in [4, 5]:
@@ -410,6 +411,67 @@ def test_a_large_pack_is_split_into_pieces_that_unpack_as_one(workdir, monkeypat
     ]
     with pytest.raises(Exception, match="outside runs/other/"):
         read_pack(workdir / "big.tar.gz", "other")
+    # the pack's copy replaces the folder whole: the older checkpoint is gone, no staging folder is left beside it
+    monkeypatch.chdir(workdir)
+    unpack(read_pack(workdir / "big.tar.gz", "big"), Path("runs") / "big")
+    assert [path.name for path in (workdir / "runs").iterdir()] == ["big"]
+    assert sorted(tree_digests(run_dir)) == ["checkpoints", "checkpoints/5", "checkpoints/5/state"]
+
+
+def tree_digests(folder) -> dict[str, str | None]:
+    """Every file's sha256 and every folder (None) under `folder`, by relative path."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+        for path in folder.rglob("*")
+    }
+
+
+def damage(pieces: list, kind: str):
+    first, middle, last = pieces[0], pieces[1], pieces[-1]
+    if kind.startswith("missing"):
+        {"missing first": first, "missing middle": middle, "missing last": last}[kind].unlink()
+    elif kind == "truncated":
+        middle.write_bytes(middle.read_bytes()[:-100])
+    elif kind == "flipped byte":
+        data = bytearray(middle.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        middle.write_bytes(bytes(data))
+    elif kind == "reordered":  # two pieces' contents swapped, as a wrong `cat` order joins them
+        first_data, middle_data = pieces[1].read_bytes(), pieces[2].read_bytes()
+        pieces[1].write_bytes(middle_data)
+        pieces[2].write_bytes(first_data)
+
+
+@pytest.mark.parametrize(
+    "kind", ["missing first", "missing middle", "missing last", "truncated", "flipped byte", "reordered"]
+)
+def test_a_damaged_pack_is_one_line_and_leaves_the_run_folder_as_it_was(kind, workdir):
+    """A pack whose pieces were damaged in transit is refused in one line before anything on disk changes: the
+    existing runs/tiny (an earlier part's) stays byte for byte, no temporary folder is left, nothing is started."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from train_in_parts import pack_run
+
+    run_dir = workdir / "runs" / "tiny"
+    (run_dir / "checkpoints" / "5").mkdir(parents=True)
+    (run_dir / "checkpoints" / "5" / "state").write_bytes(os.urandom(40_000))  # incompressible: 5 pieces
+    pieces = pack_run(run_dir, workdir / "tiny.tar.gz", max_bytes=9_000)
+    assert len(pieces) == 5
+    (run_dir / "part1.log").write_text("the folder the pack would replace\n")
+    damage(pieces, kind)
+    before = tree_digests(workdir)
+    # the script is never started: a stand-in that would end the part at once
+    command = ["--part-in", "tiny.tar.gz", "--", "-c", "pass", "--run-name", "tiny"]
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "train_in_parts.py"), "--out", "out", "--name", "tiny", *command],
+        cwd=workdir,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert re.fullmatch(r"error: --part-in tiny\.tar\.gz: [^\n]+", completed.stderr.strip()), completed.stderr
+    assert tree_digests(workdir) == before
 
 
 SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=\d+ (params sha256=[0-9a-f]{64})")
