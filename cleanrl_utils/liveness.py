@@ -2,15 +2,16 @@
 
 When a process dies, its peers learn it in their next collective (Gloo: "Connection reset by peer"), and each ends
 with one line naming the process(es) that ended first: every process listens on a socket whose address all the
-others know (a thread accepts and closes each connection; the kernel refuses them once the process is gone), so a
-survivor asks each peer's socket (`peer_failure_line`). A host that goes silent (down, or off the network: its
-connections neither close nor answer) is found by a watchdog thread that asks every peer's socket each second: one
-silent for half of --heartbeat-timeout ends each surviving process with one line naming it. JAX's own heartbeat
-check would abort the process later, from C++, with a stack trace: JAX takes no handler for that (its client's
-missed_heartbeat_callback cannot be called from Python: std::bad_cast, jax 0.10 and 0.12), so JAX's heartbeat
-timeout is set to twice ours (cleanrl_utils/processes.py). When the process that ended is process 0, JAX's
-coordination service (which runs in it) is gone too, and JAX aborts the others itself ("Terminating process because
-the JAX distributed service detected fatal errors").
+others know (a thread of the process answers each connection with a byte; the kernel refuses them once the process
+is gone), so a survivor asks each peer's socket (`peer_failure_line`). A peer that goes silent (its host down or off
+the network, or the process stopped: SIGSTOP, a terminal's Ctrl-Z, a frozen host; its connections get no answer) is
+found by a watchdog thread that asks every peer's socket each second: one silent for half of --heartbeat-timeout
+ends each surviving process with one line naming it. JAX's own heartbeat check would abort the process later, from
+C++, with a stack trace: JAX takes no handler for that (its client's missed_heartbeat_callback cannot be called from
+Python: std::bad_cast, jax 0.10 and 0.12), so JAX's heartbeat timeout is set to twice ours
+(cleanrl_utils/processes.py). When the process that ended is process 0, JAX's coordination service (which runs in
+it) is gone too, and JAX aborts the others itself ("Terminating process because the JAX distributed service detected
+fatal errors").
 """
 
 import contextlib
@@ -25,6 +26,7 @@ from cleanrl_utils.processes import exit_process, slurm_job_id
 
 _HOST_BYTES = 255  # a host name's longest length (POSIX HOST_NAME_MAX)
 _PROBE_SECONDS = 1.0  # how often the watchdog asks each peer's liveness socket
+ALIVE = b"!"  # the answer of a process that runs
 # this process's liveness socket and rank; every process's (host, port); the watchdog's stop
 _peers = {"listener": None, "rank": 0, "addresses": [], "stop_watching": threading.Event()}
 
@@ -63,7 +65,7 @@ def _listen_for_peers():
 
     listener = socket.socket()
     listener.bind(("", 0))
-    listener.listen(512)  # each probe of a peer is one connection, never accepted: room for every probe of a run
+    listener.listen(512)  # a stopped process answers no probe: room for every probe of a run in the backlog
     host = socket.gethostname().encode()[:_HOST_BYTES]
     row = np.zeros(2 + _HOST_BYTES, np.uint8)
     row[:2] = np.frombuffer(listener.getsockname()[1].to_bytes(2, "big"), np.uint8)
@@ -78,24 +80,28 @@ def _listen_for_peers():
 
 
 def _accept_probes(listener: socket.socket):
-    """Accept and close every probe (the watchdog's probes come each second: a backlog would fill up)."""
+    """Answer every probe with one byte, from this thread: the kernel alone would accept a connection to a stopped
+    process (SIGSTOP, a terminal's Ctrl-Z, a frozen host) too, and its peers would never see it as silent."""
     while True:
         try:
-            listener.accept()[0].close()
-        except OSError:  # the listener was closed (`shutdown`)
+            connection = listener.accept()[0]
+        except OSError:  # the listener was closed (`close`)
             return
+        with contextlib.suppress(OSError), connection:  # a prober that gave up already
+            connection.sendall(ALIVE)
 
 
 def probe(host: str, port: int, timeout: float) -> str:
-    """'alive'; 'ended' (the host refuses: the process is gone); 'silent' (no answer: its host is down or off the
-    network)."""
+    """'alive' (the process itself answered); 'ended' (the host refuses: the process is gone); 'silent' (no answer
+    within `timeout`: its host is down or off the network, or the process is stopped or frozen)."""
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
+        with socket.create_connection((host, port), timeout=timeout) as connection:
+            answered = connection.recv(1) == ALIVE
     except ConnectionRefusedError:
         return "ended"
     except OSError:
         return "silent"
-    return "alive"
+    return "alive" if answered else "ended"  # closed without a byte: the process is closing its socket
 
 
 def _watch_for_silent_peers(heartbeat_timeout: int):
@@ -129,8 +135,8 @@ def silent_peers_line(lost: list[int], silent_for: float) -> str:
     requeue = f"; under Slurm the job resumes when requeued (by Slurm on a node failure, or scontrol requeue {job})"
     return (
         f"--distributed: {who} of this run's {jax.process_count()} went silent: no answer for {silent_for:.0f}s "
-        f"(its host is down or off the network); process {jax.process_index()} stops too. The run resumes from its "
-        f"last checkpoint when every process is started again{requeue if job else ''}"
+        f"(its host is down or off the network, or the process is stopped); process {jax.process_index()} stops "
+        f"too. The run resumes from its last checkpoint when every process is started again{requeue if job else ''}"
     )
 
 

@@ -494,6 +494,33 @@ def test_a_peer_that_never_arrives_ends_the_wait_after_the_heartbeat_timeout(tmp
 
 
 @pytest.mark.slow
+def test_a_stopped_peer_ends_the_survivor_with_one_line_before_jaxs_abort(tmp_path):
+    """SIGSTOP to process 1 (a terminal's Ctrl-Z, or a frozen host): its liveness socket still accepts connections
+    (the kernel's backlog), but no thread of it answers, so process 0's watchdog finds it silent after half of
+    --heartbeat-timeout and ends with one line, before JAX's heartbeat check (2 x 6 s) aborts it from C++."""
+    flags = [*DISTRIBUTED, "--total-timesteps", str(400 * 256), "--heartbeat-timeout", "6"]
+    processes = start_processes(flags, tmp_path, 2, run_name="stopped")
+    try:
+        wait_for_line(processes[0], "update=3/")
+        processes[1].send_signal(signal.SIGSTOP)
+        stopped = time.time()
+        returncode = processes[0].wait(timeout=60)
+        seconds = time.time() - stopped
+        _, err = processes[0].communicate()
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()
+    assert returncode == 1, err[-3000:]
+    assert error_lines(err) == [
+        re.search(r"error: --distributed: process 1 \(host [^)]*\) of this run's 2 went silent: .*", err).group(0)
+    ], err[-3000:]
+    assert "or the process is stopped" in err
+    assert not re.search(r"Terminating process|Check failure|^F\d{4} |stack trace", err, re.MULTILINE), err[-3000:]
+    assert seconds < 12, f"ended {seconds:.1f}s after the stop (JAX aborts at 12 s)"
+
+
+@pytest.mark.slow
 def test_sigterm_to_process_1_stops_both_and_saves_no_model(tmp_path):
     flags = [*DISTRIBUTED, "--total-timesteps", str(40 * 256), "--checkpoint-frequency", "0", "--save-model"]
     processes = start_processes(flags, tmp_path, 2, run_name="pre")

@@ -175,9 +175,9 @@ def test_a_node_that_drops_off_the_network_ends_the_run_with_one_line(cluster, w
         cluster.run("scancel", "--full", "--signal=KILL", job.id)
     assert re.fullmatch(
         rf"error: --distributed: process 1 \(host node2\) of this run's 2 went silent: no answer for \d+s \(its host "
-        r"is down or off the network\); process 0 stops too\. The run resumes from its last checkpoint when every "
-        rf"process is started again; under Slurm the job resumes when requeued \(by Slurm on a node failure, or "
-        rf"scontrol requeue {job.id}\)",
+        r"is down or off the network, or the process is stopped\); process 0 stops too\. The run resumes from its "
+        r"last checkpoint when every process is started again; under Slurm the job resumes when requeued \(by Slurm "
+        rf"on a node failure, or scontrol requeue {job.id}\)",
         lost.group(0),
     ), job.details()
     errors = job.errors()
