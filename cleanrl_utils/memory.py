@@ -6,8 +6,9 @@ OOM killer (SIGKILL, no message at all; the default Breakout PPO update on a 24 
 compiles twice), reads what XLA's buffer assignment allocates for it (`compiled.memory_analysis()`, per device), and
 raises `OutOfDeviceMemory` (one `error:` line naming the flags that lower it, exit code 2) when that exceeds what the
 devices have free: on a GPU or TPU, its allocator's `bytes_limit - bytes_in_use`; on a CPU, the host's `MemAvailable`
-or, where lower, the room this process's cgroup and each of its ancestors leave (a container, a systemd scope, a Slurm
-job under task/cgroup: `own_cgroup_memory`, cgroup v1 and v2), shared by the process's CPU devices, so their needs add up.
+or, where lower, the room this process's cgroup and each of its ancestors leave (a container, a systemd scope, a
+Slurm job under task/cgroup: `own_cgroup_memory`, cgroup v1 and v2), shared by the process's CPU devices, so their
+needs add up.
 """
 
 import os
