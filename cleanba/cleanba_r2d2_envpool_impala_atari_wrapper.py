@@ -641,6 +641,20 @@ def replay_shard_specs(local_buffer, item: Rollout):
     return shard.replace(experience=experience, sum_tree_state=tree_specs, **counters)
 
 
+def prioritized_step(carry, step_key, *, local_buffer, capacity: int, gradient_step: Callable):
+    """One `lax.scan` step per learner device: its minibatch part, sampled by priority, learned and re-prioritized."""
+    agent_state, replay = carry
+    device_key = jax.random.fold_in(step_key, jax.lax.axis_index("batch"))
+    sample = local_buffer.sample(replay, device_key)
+    stored = jnp.where(replay.is_full, capacity, replay.current_index)
+    minibatch = Minibatch(sample.experience, stored * sample.probabilities)
+    agent_state, metrics, priorities = gradient_step(agent_state, minibatch)
+    tree = local_buffer.set_priorities(replay, sample.indices, priorities).sum_tree_state
+    # new sequences get the largest priority of all shards: the same on every device
+    tree = tree.replace(max_recorded_priority=jax.lax.pmax(tree.max_recorded_priority, "batch"))
+    return (agent_state, replay.replace(sum_tree_state=tree)), metrics
+
+
 def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices; each device keeps
     the replay shard of its envs, samples its part of every minibatch, and the gradients are summed with `psum`."""
@@ -656,29 +670,16 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     # type check refuses; the psums below are explicit (no implicit sum of the gradients either way)
     shard_map = partial(jax.shard_map, mesh=mesh, check_vma=False)
     local_gradient_step = partial(r2d2_gradient_step, agent=agent, args=args)
+    step = partial(prioritized_step, local_buffer=local_buffer, capacity=capacity, gradient_step=local_gradient_step)
 
     init_shard = lambda: local_buffer.init(item)
     init_replay = jax.jit(jax.shard_map(init_shard, mesh=mesh, in_specs=(), out_specs=replay_specs))
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
-        """Per device: its envs' sequences into its replay shard, then --replay-ratio x batch gradient steps, each
-        sampling by priority from this shard and writing back the new priorities."""
+        """Per device: its envs' sequences into its replay shard, then --replay-ratio x batch gradient steps."""
         replay = local_buffer.add(replay, cut_sequences(storage, args.sequence_length))
         if not train:
             return agent_state, replay, {}
-
-        def step(carry, step_key):
-            agent_state, replay = carry
-            device_key = jax.random.fold_in(step_key, jax.lax.axis_index("batch"))
-            sample = local_buffer.sample(replay, device_key)
-            stored = jnp.where(replay.is_full, capacity, replay.current_index)
-            minibatch = Minibatch(sample.experience, stored * sample.probabilities)
-            agent_state, metrics, priorities = local_gradient_step(agent_state, minibatch)
-            tree = local_buffer.set_priorities(replay, sample.indices, priorities).sum_tree_state
-            # new sequences get the largest priority of all shards: the same on every device
-            tree = tree.replace(max_recorded_priority=jax.lax.pmax(tree.max_recorded_priority, "batch"))
-            return (agent_state, replay.replace(sum_tree_state=tree)), metrics
-
         keys = jax.random.split(key, args.gradient_steps)
         (agent_state, replay), metrics = jax.lax.scan(step, (agent_state, replay), keys)
         return agent_state, replay, jax.tree.map(jnp.mean, metrics)
@@ -756,10 +757,9 @@ def set_runtime_values(args: Args, layout: DeviceLayout):
     args.gradient_steps = gradient_steps_per_update(args.replay_ratio, args.batch_size)
     # the first update's sequences are in the replay before its gradient steps sample it
     args.learning_starts_updates = args.learning_starts // args.batch_size
-    global_envs = args.global_num_envs
     num_learner_devices = len(layout.global_learner_devices)
     check_minibatch_split(args.minibatch_size, num_learner_devices)
-    new_sequences = global_envs * args.num_steps // (args.sequence_length // 2) // num_learner_devices
+    new_sequences = args.global_num_envs * args.num_steps // (args.sequence_length // 2) // num_learner_devices
     needed = max(new_sequences, args.minibatch_size // num_learner_devices)
     if replay_capacity(args, num_learner_devices) < needed:
         raise UsageError(
