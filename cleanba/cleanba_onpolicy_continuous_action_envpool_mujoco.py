@@ -245,7 +245,7 @@ def project_multipliers(params: Params) -> Params:
 
 
 def make_network(args: Args) -> Agent:
-    """The actor-critic for --env-id's action space."""
+    """The actor-critic of the flags for --env-id's action space (what make_agent trains and make_eval_policy loads)."""
     space = env_spaces(args.env_id, args.env_options)[1]
     bounds = (tuple(space.low.tolist()), tuple(space.high.tolist())) if args.squash_mean else None
     return Agent(int(np.prod(space.shape)), tuple(args.hiddens), bounds)
@@ -365,7 +365,8 @@ def prepare_batch(agent_state: AgentState, storage: Rollout, *, agent: Agent, ar
     """A learner device's envs of the rollout as samples, inside `shard_map` over the mesh axis "batch": the running
     statistics updated with the rollout of every learner device (the same on each), rewards scaled with them (as
     gym's NormalizeReward), advantages and returns (once per update, before the epochs: SEED RL's default), the
-    policy at the update's start, then (time, envs) flattened. Returns (agent_state, Batch)."""
+    policy at the update's start, then (time, envs) flattened. Returns (agent_state, Batch). Its `shard_map` runs
+    with check_vma=False: rlax's V-trace scan starts from a constant carry that the varying-axis checks reject."""
     flat = lambda x: x.reshape((-1, *x.shape[2:]))
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
@@ -667,16 +668,14 @@ class LearnerState(NamedTuple):
 
 
 def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
-    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
-    are a Python loop over one compiled minibatch step, the on-policy scripts' one driver: on an H100 it was as fast
-    as one `lax.scan` program per update (docs/performance.md#on-a-gpu)."""
+    """The data-parallel learner (`shard_map` over the mesh axis "batch"): epochs x minibatches are a Python loop over
+    one compiled minibatch step, as fast on an H100 as one `lax.scan` per update (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
     batch_specs = Batch(*([sharded_steps] * len(Batch._fields)))
     minibatch_size = args.num_steps * args.local_num_envs * args.num_actor_threads * len(args.actor_device_ids)
     minibatch_size //= len(args.learner_device_ids) * args.num_minibatches
-    names = LOSS_METRICS
     loss_fn = partial(onpolicy_loss, agent=agent, args=args)
 
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
@@ -696,7 +695,6 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
 
-    # check_vma=False: rlax's V-trace scan starts from a constant carry that shard_map's varying-axis checks reject
     batch_of = partial(prepare_batch, agent=agent, args=args)
     batch_of = shard_map(
         batch_of, in_specs=(replicated, rollout_specs), out_specs=(replicated, batch_specs), check_vma=False
@@ -722,11 +720,10 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
             for index in range(args.num_minibatches):
                 agent_state, minibatch_metrics = minibatch_update(agent_state, batch, permutation, jnp.int32(index))
                 metrics.append(minibatch_metrics)
-        metrics = dict(zip(names, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
+        metrics = dict(zip(LOSS_METRICS, jax.tree.map(lambda *x: jnp.stack(x).mean(), *metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
         if args.policy_loss == "vmpo":  # the multipliers after the update, the same on every device
-            for name, value in agent_state.params.multipliers._asdict().items():
-                metrics[f"charts/{name}"] = value
+            metrics |= {f"charts/{name}": value for name, value in agent_state.params.multipliers._asdict().items()}
         return LearnerState(agent_state, key), metrics
 
     return update
