@@ -181,7 +181,7 @@ class Agent(nn.Module):
 
 
 def make_network(args: Args) -> Agent:
-    """The actor-critic for --env-id's action space."""
+    """The actor-critic of the flags for --env-id's action space (what make_agent trains and make_eval_policy loads)."""
     space = env_spaces(args.env_id, args.env_options)[1]
     return Agent(int(np.prod(space.shape)), tuple(args.hiddens))
 
@@ -477,9 +477,8 @@ class LearnerState(NamedTuple):
 
 
 def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
-    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
-    are a Python loop over one compiled minibatch step, the on-policy scripts' one driver: on an H100 it was as fast
-    as one `lax.scan` program per update (docs/performance.md#on-a-gpu)."""
+    """The data-parallel learner (`shard_map` over the mesh axis "batch"): epochs x minibatches are a Python loop over
+    one compiled minibatch step, as fast on an H100 as one `lax.scan` per update (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))

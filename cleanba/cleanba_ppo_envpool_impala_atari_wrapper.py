@@ -273,16 +273,17 @@ class Agent(nn.Module):
         return logits, value.squeeze(-1)
 
 
-def agent_of(args: Args, action_dim: int) -> Agent:
-    """The network of the flags (what make_agent trains and make_eval_policy loads) for --env-id's actions."""
+def make_network(args: Args) -> Agent:
+    """The actor-critic of the flags for --env-id's action space (what make_agent trains and make_eval_policy loads)."""
+    space = env_spaces(args.env_id, args.env_options)[1]
     layout = obs_layout(args.env_id)
-    return Agent(action_dim, tuple(args.channels), tuple(args.hiddens), layout, args.network, args.compute_dtype)
+    return Agent(int(space.n), tuple(args.channels), tuple(args.hiddens), layout, args.network, args.compute_dtype)
 
 
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
-    obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = agent_of(args, int(action_space.n))
+    obs_space = env_spaces(args.env_id, args.env_options)[0]
+    agent = make_network(args)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
@@ -350,6 +351,7 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 
 def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch:
     """A learner device's envs of the rollout as samples: advantages and returns, then (time, envs) flattened."""
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
     advantages, returns = compute_gae(
         rewards=storage.rewards,
         values=storage.values,
@@ -359,7 +361,6 @@ def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch
         gamma=gamma,
         gae_lambda=gae_lambda,
     )
-    flat = lambda x: x.reshape((-1, *x.shape[2:]))
     fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
     return Batch(*map(flat, fields))
 
@@ -496,8 +497,8 @@ def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: Ac
             for step in range(num_steps):
                 thread.check_stopped()
                 with timer("inference_time"):
-                    action_logprob_value, key = actor_fns.act(params, next_obs, key)
-                    action, logprob, value = np.asarray(action_logprob_value)
+                    step_outputs, key = actor_fns.act(params, next_obs, key)
+                    action, logprob, value = np.asarray(step_outputs)
                     action = action.astype(np.int32)
                 with timer("env_step_time"):
                     step_obs, reward, terminated, truncated, info = envs.step(action)
@@ -528,9 +529,9 @@ class LearnerState(NamedTuple):
 
 
 def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
-    """The data-parallel learner: `shard_map` over the mesh axis "batch" of all learner devices. Epochs x minibatches
-    are a Python loop over one compiled minibatch step: on CPU, XLA compiles a conv weight-gradient inside `lax.scan`
-    into a very slow loop, and on an H100 the loop was as fast as one scanned program (docs/performance.md#on-a-gpu)."""
+    """The data-parallel learner (`shard_map` over the mesh axis "batch"): epochs x minibatches are a Python loop over
+    one compiled minibatch step: on CPU, XLA compiles a conv weight-gradient inside `lax.scan` into a very slow loop,
+    and on an H100 the loop was as fast as one scanned program (docs/performance.md#on-a-gpu)."""
     replicated, sharded_envs, sharded_steps = P(), P(None, "batch"), P("batch")
     shard_map = partial(jax.shard_map, mesh=mesh)
     rollout_specs = Rollout(*([sharded_envs] * len(Rollout._fields)))
@@ -557,7 +558,8 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
 
     batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
-    batch_of = jax.jit(shard_map(batch_of, in_specs=(rollout_specs,), out_specs=batch_specs))
+    batch_of = shard_map(batch_of, in_specs=(rollout_specs,), out_specs=batch_specs)
+    batch_of = jax.jit(batch_of)
     minibatch_specs = (replicated, batch_specs, sharded_steps, replicated)
     minibatch_update = shard_map(minibatch_update, in_specs=minibatch_specs, out_specs=(replicated, replicated))
     minibatch_update = jax.jit(minibatch_update, donate_argnums=(0,))
@@ -602,8 +604,7 @@ def saved_model(state: LearnerState) -> dict:
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
-    obs_space, action_space = env_spaces(args.env_id, args.env_options)
-    agent = agent_of(args, int(action_space.n))
+    agent = make_network(args)
     params = jax.tree.map(jnp.asarray, model["params"])
 
     @jax.jit
