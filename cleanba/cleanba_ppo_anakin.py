@@ -114,19 +114,6 @@ def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = No
 # ---------------------------------------------------------------- networks
 
 
-class MLP(nn.Module):
-    """tanh MLP on flattened inputs (the Sebulba PPO script's MLP for vector observations)."""
-
-    hiddens: Sequence[int]
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.reshape((x.shape[0], -1)).astype(jnp.float32)
-        for hidden in self.hiddens:
-            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
-        return x
-
-
 class MinAtarTorso(nn.Module):
     """pgx's MinAtar PPO example's torso: a 2x2 convolution of 32 channels (SAME padding), ReLU, its average pooling,
     a ReLU layer of 64 (after the MinAtar paper's one-conv network, Young & Tian 2019, Sec. 4). The convolution is a
@@ -146,6 +133,19 @@ class MinAtarTorso(nn.Module):
         x = x.reshape(batch, height, width // 2, 2, -1, 2).mean((3, 5))
         x = nn.Dense(64, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x.reshape((batch, -1)))
         return nn.relu(x)
+
+
+class MLP(nn.Module):
+    """tanh MLP on flattened inputs (the Sebulba PPO script's MLP for vector observations)."""
+
+    hiddens: Sequence[int]
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape((x.shape[0], -1)).astype(jnp.float32)
+        for hidden in self.hiddens:
+            x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
+        return x
 
 
 class Agent(nn.Module):
@@ -168,10 +168,16 @@ class Agent(nn.Module):
         return logits, value.squeeze(-1)
 
 
+def make_network(args: Args) -> Agent:
+    """The actor-critic of the flags for --env-id's action space (what make_agent trains and make_eval_policy loads)."""
+    env = make_jax_env(args.env_id)
+    return Agent(env.num_actions, tuple(args.hiddens), env.observation_kind)
+
+
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     """The network for --env-id and its training state (params and optimizer), on the host."""
     env = make_jax_env(args.env_id)
-    agent = Agent(env.num_actions, tuple(args.hiddens), env.observation_kind)
+    agent = make_network(args)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (PPO paper, Table 5)
@@ -239,6 +245,7 @@ def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, 
 
 def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch:
     """A learner device's envs of the rollout as samples: advantages and returns, then (time, envs) flattened."""
+    flat = lambda x: x.reshape((-1, *x.shape[2:]))
     advantages, returns = compute_gae(
         rewards=storage.rewards,
         values=storage.values,
@@ -248,7 +255,6 @@ def prepare_batch(storage: Rollout, *, gamma: float, gae_lambda: float) -> Batch
         gamma=gamma,
         gae_lambda=gae_lambda,
     )
-    flat = lambda x: x.reshape((-1, *x.shape[2:]))
     fields = storage.obs, storage.actions, storage.logprobs, storage.values, advantages, returns, storage.valid
     return Batch(*map(flat, fields))
 
@@ -431,7 +437,6 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
     loss_fn = partial(ppo_loss, agent=agent, args=args)
-    batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
 
     def minibatch_update(agent_state: TrainState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -446,6 +451,8 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
         """Each learner device permutes its own samples with its own key."""
         key = jax.random.fold_in(key, jax.lax.axis_index("batch"))
         return jax.random.permutation(key, minibatch_size * args.num_minibatches)
+
+    batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
 
     def learn(batch: Batch, agent_state: TrainState, key):
         def epoch(carry, _):
@@ -494,8 +501,7 @@ def saved_model(state: LearnerState) -> dict:
 def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: greedy takes the most
     likely action, otherwise actions are sampled as in training."""
-    env = make_jax_env(args.env_id)
-    agent = Agent(env.num_actions, tuple(args.hiddens), env.observation_kind)
+    agent = make_network(args)
     params = jax.tree.map(jnp.asarray, model["params"])
 
     @jax.jit

@@ -156,10 +156,16 @@ class Agent(nn.Module):
         return action_mean, action_logstd, value.squeeze(-1)
 
 
+def make_network(args: Args) -> Agent:
+    """The actor-critic of the flags for --env-id's action space (what make_agent trains and make_eval_policy loads)."""
+    env = make_jax_env(args.env_id)
+    return Agent(env.action_dim, tuple(args.hiddens))
+
+
 def make_agent(args: Args, key: jax.Array) -> tuple[Agent, "AgentState"]:
     """The network for --env-id and its training state (params, optimizer, running statistics), on the host."""
     env = make_jax_env(args.env_id)
-    agent = Agent(env.action_dim, tuple(args.hiddens))
+    agent = make_network(args)
 
     def linear_schedule(count):
         # anneal over all optimizer steps: updates x epochs x minibatches (as CleanRL's ppo_continuous_action)
@@ -529,7 +535,7 @@ def make_eval_policy(args: Args, model: dict, greedy: bool):
     """The saved agent as policy(obs, key) -> (actions, key), for cleanrl_utils.evals: the model's frozen observation
     statistics, then the Gaussian mean (greedy) or a sample, clipped to the action bounds."""
     env = make_jax_env(args.env_id)
-    agent = Agent(env.action_dim, tuple(args.hiddens))
+    agent = make_network(args)
     obs_rms = RunningMeanStd(*(jnp.asarray(model["obs_rms"][name], jnp.float32) for name in RunningMeanStd._fields))
     params = jax.tree.map(jnp.asarray, model["params"]), obs_rms
 
