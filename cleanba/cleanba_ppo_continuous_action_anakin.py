@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.devices import DeviceLayout, local_value, replicate
+from cleanrl_utils.devices import DeviceLayout, local_value, replicate, seed_slice, stack_seeds
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env
@@ -437,8 +437,8 @@ def rollout(*, agent: Agent, env, agent_state: AgentState, envs: EnvState, num_s
 
 
 def episode_stats(envs: EnvState) -> dict:
-    """This process's envs' last finished episodes, for the logger (`cleanrl_utils.logger.EpisodeStats.read()`)."""
-    local = lambda x: np.concatenate([np.asarray(shard.data) for shard in x.addressable_shards])
+    """This process's envs' last finished episodes, a row per seed, for the logger (as `EpisodeStats.read()`)."""
+    local = lambda x: np.concatenate([np.asarray(shard.data) for shard in x.addressable_shards], axis=1)
     return {
         "returned_episode_returns": local(envs.returned_episode_returns),
         "returned_episode_lengths": local(envs.returned_episode_lengths),
@@ -446,6 +446,15 @@ def episode_stats(envs: EnvState) -> dict:
 
 
 # ---------------------------------------------------------------- learner: one compiled program per update
+
+
+def seeded(update: Callable, num_seeds: int) -> Callable:
+    """`update` of one seed's state as the update of every seed's (a leading seed axis): a `vmap`, whose batched
+    kernels round differently from one seed's (a seed's params then differ from its run alone in the last bits after
+    an update); one seed runs its program as it is, bit for bit the run of its --seed."""
+    if num_seeds > 1:
+        return jax.vmap(update)
+    return lambda state: jax.tree.map(lambda x: x[None], update(jax.tree.map(lambda x: x[0], state)))
 
 
 class LearnerState(NamedTuple):
@@ -458,8 +467,10 @@ class LearnerState(NamedTuple):
 
 def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
-    advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`."""
-    replicated, sharded_envs = P(), P("batch")
+    advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`; for
+    each seed (`vmap` over the state's leading seed axis: every device holds every seed, and its share of each
+    seed's envs)."""
+    replicated, sharded_envs = P(), P(None, "batch")
     state_specs = LearnerState(replicated, replicated, sharded_envs)
     minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
@@ -510,7 +521,11 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     # check_vma=False: the adapters' env steps have `lax.cond`s with a constant branch, which shard_map's
     # replication checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
     update = jax.shard_map(
-        update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
+        seeded(update, args.num_seeds),
+        mesh=mesh,
+        in_specs=(state_specs,),
+        out_specs=(state_specs, replicated),
+        check_vma=False,
     )
     # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
     lower_memory = "raise --num-minibatches, or lower --local-num-envs or --num-steps"
@@ -523,12 +538,16 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 # `check_runtime_values` from this script)
 
 
-def saved_model(state: LearnerState) -> dict:
-    """What --save-model writes next to the flags: what `make_eval_policy` reads."""
-    return {
-        "params": to_state_dict(local_value(state.agent.params)),
-        "obs_rms": local_value(state.agent.obs_rms)._asdict(),  # the policy's input normalization
-    }
+def saved_model(state: LearnerState) -> list[dict]:
+    """What --save-model writes next to the flags, one for each seed: what `make_eval_policy` reads."""
+    params, obs_rms = local_value(state.agent.params), local_value(state.agent.obs_rms)
+    return [
+        {
+            "params": to_state_dict(seed_slice(params, i)),
+            "obs_rms": seed_slice(obs_rms, i)._asdict(),  # the policy's input normalization
+        }
+        for i in range(len(state.key))
+    ]
 
 
 def make_eval_policy(args: Args, model: dict, greedy: bool):
@@ -568,9 +587,23 @@ def check_runtime_values(args: Args, layout: DeviceLayout):
     check_int32_counts(args, {"optimizer steps": schedule})
 
 
-def state_summary(state: LearnerState) -> str:
-    """Digests of the learner's state for the console: equal digests, bitwise equal states."""
-    return f"params sha256={tree_digest(state.agent.params)} envs sha256={tree_digest(state.envs)}"
+def init_state(args: Args, env, seed: int, mesh: Mesh) -> LearnerState:
+    """The learner state that `--seed seed` starts from: every key is the same in every process, and each env's keys
+    are its own slice of the envs key's split."""
+    agent_key, learner_key, envs_key = jax.random.split(jax.random.key(seed), 3)
+    _, agent_state = make_agent(args, agent_key)
+    envs = reset_envs(env, envs_key, args.global_num_envs, NamedSharding(mesh, P("batch")))
+    return LearnerState(replicate(agent_state, mesh), replicate(learner_key, mesh), envs)
+
+
+def state_summary(state: LearnerState, seeds: Sequence[int]) -> str:
+    """Digests of the learner's state for the console, each seed's: equal digests, bitwise equal states."""
+    digests = [
+        f"params sha256={tree_digest(seed_slice(state.agent.params, i))} "
+        f"envs sha256={tree_digest(seed_slice(state.envs, i))}"
+        for i in range(len(seeds))
+    ]
+    return digests[0] if len(seeds) == 1 else "; ".join(f"seed {s}: {d}" for s, d in zip(seeds, digests))
 
 
 def main(args: Args) -> int:
@@ -579,19 +612,15 @@ def main(args: Args) -> int:
     # (the batch, the global env count, the updates: cleanrl_utils/flags.py) and the run's name
     run = AnakinRun(args, __file__, check_runtime_values)
     args = run.args
-    # every key is the same in every process: each env's keys are its own slice of envs_key's split
-    agent_key, learner_key, envs_key = jax.random.split(jax.random.key(args.seed), 3)
-    agent, agent_state = make_agent(args, agent_key)
     env = make_jax_env(args.env_id)
-    num_envs = args.local_num_envs * run.mesh.size  # over every learner device of every process
-    envs = reset_envs(env, envs_key, num_envs, NamedSharding(run.mesh, P("batch")))
+    # one independent run for each of the --num-seeds seeds, each started as its --seed alone: the learner state's
+    # leaves gain a leading seed axis, laid out as the update returns them (the second update does not compile anew)
+    state = stack_seeds(lambda seed: init_state(args, env, seed, run.mesh), run.seeds, run.mesh)
     # data-parallel over run.mesh, every process's learner devices; the first call of each of its programs stops the
     # run with one line if the program cannot fit the devices' free memory (cleanrl_utils/memory.py)
-    learner_update = make_learner_update(args, agent, env, run.mesh)
-    # replicated over the mesh as the update returns them: the second update does not compile anew
-    state = LearnerState(replicate(agent_state, run.mesh), replicate(learner_key, run.mesh), envs)
+    learner_update = make_learner_update(args, make_network(args), env, run.mesh)
     # the newest checkpoint of the run (the envs too), or this fresh state
-    state = run.start(state, state_summary)
+    state = run.start(state, partial(state_summary, seeds=run.seeds))
 
     # Anakin: each update acts, steps the envs and learns in one compiled program on every learner device
     # SIGTERM or Ctrl-C (cleanrl_utils/preemption.py): the update in flight is finished and logged (with several

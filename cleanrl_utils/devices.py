@@ -8,6 +8,7 @@ in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,3 +130,34 @@ def copies_for_devices(tree, devices: list) -> dict:
 
     local = jax.tree.map(lambda x: x.addressable_shards[0].data, tree)
     return {device: jax.device_put(local, device, may_alias=False) for device in devices}
+
+
+def stack_seeds(init: Callable[[int], object], seeds: list[int], mesh):
+    """The learner states `init(seed)` of several seeds (global arrays on `mesh`) as one, each leaf with a leading
+    seed axis and laid out as the seeds' leaves were along the others (an Anakin script's --num-seeds: its update is a
+    `vmap` over that axis). The first seed's state is made first: if the seeds' states and their stack cannot fit the
+    devices' free memory, one line names --num-seeds (cleanrl_utils/memory.py) before the others are made. The first
+    tree gives the structure (a TrainState's optimizer is a function of each seed's own)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from cleanrl_utils.memory import check_copies_fit
+
+    first = init(seeds[0])
+    check_copies_fit(
+        first, 2 * len(seeds), f"the learner states of {len(seeds)} seeds and their stack", "lower --num-seeds"
+    )
+    trees = [first, *(init(seed) for seed in seeds[1:])]
+    leaves, treedef = jax.tree.flatten(first)
+    shardings = [NamedSharding(mesh, PartitionSpec(None, *leaf.sharding.spec)) for leaf in leaves]
+    stack = jax.jit(lambda *seeds: [jnp.stack(leaf) for leaf in zip(*seeds)], out_shardings=shardings)
+    return jax.tree.unflatten(treedef, stack(*(jax.tree.leaves(tree) for tree in trees)))
+
+
+def seed_slice(tree, index: int):
+    """Seed `index`'s part of a tree of global arrays with a leading seed axis (`stack_seeds`): what the run of that
+    seed alone holds, laid out as it would be."""
+    import jax
+
+    return jax.tree.map(lambda x: x[index], tree)

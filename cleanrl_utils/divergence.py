@@ -13,10 +13,16 @@ from cleanrl_utils.errors import RunError
 _all_finite = {}
 
 
+def numbers(value) -> str:
+    """A loss term for a line: one number, or one per seed (an Anakin run's --num-seeds)."""
+    values = np.ravel(value)
+    return f"{values[0]:.4g}" if values.size == 1 else "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+
+
 class Diverged(RunError):
     def __init__(self, update: int, metrics: dict):
         terms = ", ".join(
-            f"{name.split('/')[-1]}={float(value):.4g}" for name, value in metrics.items() if name.startswith("losses/")
+            f"{name.split('/')[-1]}={numbers(value)}" for name, value in metrics.items() if name.startswith("losses/")
         )
         super().__init__(
             f"update {update} diverged (a loss term or the learner's state is NaN or infinite): {terms}; "
@@ -39,7 +45,7 @@ def all_finite(metrics: dict, state) -> bool:
 
     from cleanrl_utils.devices import local_value
 
-    if not all(np.isfinite(value) for value in metrics.values()):
+    if not all(np.all(np.isfinite(value)) for value in metrics.values()):  # per seed, in an Anakin run of several
         return False
     if "fn" not in _all_finite:
         _all_finite["fn"] = jax.jit(

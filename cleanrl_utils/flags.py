@@ -131,6 +131,11 @@ def check_run_flags(args):
     )
     check_name(args.run_name, "run_name")
     check_name(args.exp_name, "exp_name")
+    if isinstance(args, AnakinArgs) and not 1 <= args.num_seeds <= MAX_SEED + 1 - args.seed:
+        raise UsageError(
+            f"--num-seeds must be a positive integer with --seed + --num-seeds - 1 at most {MAX_SEED}, got "
+            f"{args.num_seeds} (--seed {args.seed})"
+        )
     if not args.distributed:
         for name in ["coordinator_address", "num_processes", "process_id"]:
             if getattr(args, name) is not None:
@@ -293,6 +298,10 @@ class SebulbaArgs(DeviceArgs):
 class AnakinArgs(DeviceArgs):
     """Anakin: acting, the JAX-native envs and learning are one compiled program on each learner device; no actor
     threads, no queues (the actor is the learner's current policy, lag 0)."""
+
+    num_seeds: int = 1
+    """independent runs of these flags in one program, seeds --seed, --seed + 1, ...: each the run that its --seed
+    alone gives; logged into runs/{run_name}/seed{seed} (positive)"""
 
 
 def derive_batch_values(args: DeviceArgs, *, world_size: int, local_rank: int, env_copies: int, copies_flags: str):

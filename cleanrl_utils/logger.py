@@ -85,6 +85,14 @@ class EpisodeStats:
         }
 
 
+def episode_scalars(returns: np.ndarray, lengths: np.ndarray) -> dict:
+    """charts/avg_episodic_return and _length: the mean over envs of their last finished episodes (NaN: none yet);
+    nothing before any env has finished one."""
+    if np.all(np.isnan(returns)):
+        return {}
+    return {"charts/avg_episodic_return": np.nanmean(returns), "charts/avg_episodic_length": np.nanmean(lengths)}
+
+
 def peak_rss_mib() -> float:
     """The process's peak resident memory so far (ru_maxrss is in KiB on Linux, bytes on macOS)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
@@ -115,15 +123,20 @@ class RunLogger:
         is_main_process: bool,
         world_size: int,
         start_update: int,
+        seeds: list[int] | None = None,
     ):
         """Logs into runs/{run_name} (process 0), and into W&B's `wandb_project` if given (--track); `config`: the
         run's flags and derived values, its hyperparameters table. `batch_size` env steps per update over all
-        processes (`local_batch_size` in this one), `num_updates` in all."""
+        processes (`local_batch_size` in this one), `num_updates` in all. `seeds`: the seeds of an Anakin run of
+        several (--num-seeds), whose scalars come with a leading seed axis: each seed is logged into
+        runs/{run_name}/seed{seed} (TensorBoard shows them as runs, in the same charts), and runs/{run_name} (the
+        console, W&B) gets their mean, and the min and max over seeds of the episodic return."""
         self.batch_size, self.local_batch_size, self.num_updates = batch_size, local_batch_size, num_updates
         self.log_frequency, self.world_size, self.start_update = log_frequency, world_size, start_update
         self.track = wandb_project is not None
+        self.seeds = seeds if seeds and len(seeds) > 1 else None
         self.start_time = time.time()
-        self.writer = None
+        self.writer, self.seed_writers = None, []
         if is_main_process:
             if self.track:
                 import wandb
@@ -137,7 +150,12 @@ class RunLogger:
                     resume="allow",
                     save_code=True,
                 )
-            self.writer = SummaryWriter(f"runs/{run_name}", use_wandb=self.track, resume_step=start_update * batch_size)
+            resume_step = start_update * batch_size
+            self.writer = SummaryWriter(f"runs/{run_name}", use_wandb=self.track, resume_step=resume_step)
+            self.seed_writers = [
+                SummaryWriter(f"runs/{run_name}/seed{seed}", use_wandb=False, resume_step=resume_step)
+                for seed in self.seeds or []
+            ]
             if start_update == 0:  # a resumed run keeps its first hyperparameters table (step 0)
                 self.writer.add_text(
                     "hyperparameters",
@@ -148,8 +166,9 @@ class RunLogger:
         """`scalars` holds stats/actor_policy_version and stats/learner_policy_version (the console shows them)."""
         global_step = update * self.batch_size
         elapsed = time.time() - self.start_time
-        returns = np.concatenate([s["returned_episode_returns"] for s in actor_stats])
-        lengths = np.concatenate([s["returned_episode_lengths"] for s in actor_stats])
+        # the envs' last finished episodes: one row per seed (one row without seeds), the envs along the last axis
+        returns = np.concatenate([np.atleast_2d(s["returned_episode_returns"]) for s in actor_stats], axis=-1)
+        lengths = np.concatenate([np.atleast_2d(s["returned_episode_lengths"]) for s in actor_stats], axis=-1)
         scalars = {
             "charts/SPS": int((update - self.start_update) * self.batch_size / elapsed),
             **scalars,
@@ -162,9 +181,18 @@ class RunLogger:
             "stats/peak_rss_mib": peak_rss_mib(),
             **device_peak_memory_mib(),
         }
-        if not np.all(np.isnan(returns)):
-            scalars["charts/avg_episodic_return"] = np.nanmean(returns)
-            scalars["charts/avg_episodic_length"] = np.nanmean(lengths)
+        if self.seeds is not None:
+            per_seed = [episode_scalars(returns[i], lengths[i]) for i in range(len(returns))]
+            for i, writer in enumerate(self.seed_writers):
+                seed_scalars = {tag: np.asarray(value)[i] for tag, value in scalars.items() if np.ndim(value) == 1}
+                writer.add_scalars({**seed_scalars, **per_seed[i]}, global_step)
+            seed_returns = [seed["charts/avg_episodic_return"] for seed in per_seed if seed]
+            if seed_returns:
+                scalars["charts/avg_episodic_return_min"] = np.min(seed_returns)
+                scalars["charts/avg_episodic_return_max"] = np.max(seed_returns)
+        # an Anakin run's scalars have a seed axis (of one seed without --num-seeds): their mean over the seeds
+        scalars = {tag: np.mean(value) if np.ndim(value) else value for tag, value in scalars.items()}
+        scalars.update(episode_scalars(returns, lengths))
         if self.writer is not None:
             self.writer.add_scalars(scalars, global_step)
             self.flush()  # on disk before any checkpoint of this update counts as complete
@@ -172,23 +200,30 @@ class RunLogger:
             eta = (self.num_updates - update) * elapsed / (update - self.start_update)
             process_sps = int(self.local_batch_size * (update - self.start_update) / elapsed)
             process_sps = f"process_SPS={process_sps} " if self.world_size > 1 else ""
+            seeds = (
+                f"(seeds: min {scalars['charts/avg_episodic_return_min']:.2f} "
+                f"max {scalars['charts/avg_episodic_return_max']:.2f}) "
+                if "charts/avg_episodic_return_min" in scalars
+                else ""
+            )
             print(
                 f"update={update}/{self.num_updates} global_step={global_step} SPS={scalars['charts/SPS']} "
                 f"{process_sps}avg_episodic_return={scalars.get('charts/avg_episodic_return', float('nan')):.2f} "
-                f"actor_policy_version={scalars['stats/actor_policy_version']:.0f} "
+                f"{seeds}actor_policy_version={scalars['stats/actor_policy_version']:.0f} "
                 f"learner_policy_version={scalars['stats/learner_policy_version']:.0f} ETA={eta:.0f}s",
                 flush=True,
             )
 
     def flush(self):
         """On disk now: an update's scalars are written before its checkpoint counts as complete."""
-        if self.writer is not None:
-            self.writer.flush()
+        for writer in [self.writer, *self.seed_writers] if self.writer is not None else []:
+            writer.flush()
 
     def close(self):
         if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+            for writer in [self.writer, *self.seed_writers]:
+                writer.close()
+            self.writer, self.seed_writers = None, []
 
     def finish(self):
         self.close()

@@ -176,6 +176,23 @@ def check_fits(compiled, name: str, lower_it: str, host_free: Callable[[], int |
         )
 
 
+def check_copies_fit(tree, copies: int, name: str, lower_it: str, host_free: Callable[[], int | None] = None):
+    """Raises OutOfDeviceMemory when `copies` more of `tree` (global arrays: each device's part of them) do not fit
+    the free memory of this process's devices that hold it; checked before they are made (e.g. the learner states of
+    an Anakin run's --num-seeds, before the first seed's is copied)."""
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    local = sorted({shard.device for leaf in leaves for shard in leaf.addressable_shards}, key=lambda d: d.id)
+    need = copies * sum(s.data.nbytes for leaf in leaves for s in leaf.addressable_shards if s.device == local[0])
+    missing = shortfall(need, local, host_free or host_available_bytes)
+    if missing is not None:
+        need, free, where = missing
+        raise OutOfDeviceMemory(
+            f"{name} need {need / GIB:,.1f} GiB of memory, more than the {free / GIB:,.1f} GiB {where}: {lower_it}"
+        )
+
+
 def checked_for_memory(jitted: Callable, lower_it: str, name: str = "the learner's update") -> Callable:
     """`jitted` (a `jax.jit` function), whose first call (for each value of its static keyword arguments, e.g. a
     replay learner's `train`) first checks that its compiled program fits the free memory of its devices

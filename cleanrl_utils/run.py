@@ -122,8 +122,14 @@ class Run:
             is_main_process=self.layout.is_main_process,
             world_size=self.layout.world_size,
             start_update=self.start_update,
+            seeds=self.seeds,
         )
         return state
+
+    @property
+    def seeds(self) -> list[int]:
+        """The seeds of the run: --seed, and with an Anakin script's --num-seeds N the N - 1 after it."""
+        return list(range(self.args.seed, self.args.seed + getattr(self.args, "num_seeds", 1)))
 
     def save(self, update: int, state):
         self.checkpoints.save(
@@ -203,7 +209,16 @@ class Run:
         self.preemption.report(self.update, args.run_name)
         upload_succeeded = True
         if args.save_model and layout.is_main_process and not self.preemption.stop_signal:
-            upload_succeeded = save_evaluate_upload(args, self.script, saved_model(state))
+            models = saved_model(state)  # a dict; an Anakin script's, a list of one per seed
+            if isinstance(models, dict) or len(self.seeds) == 1:
+                upload_succeeded = save_evaluate_upload(
+                    args, self.script, models if isinstance(models, dict) else models[0]
+                )
+            else:  # one model per seed, each saved and evaluated as the run of its --seed alone would be
+                for seed, model in zip(self.seeds, models):
+                    seed_args = copy.copy(args)
+                    seed_args.seed, seed_args.num_seeds, seed_args.run_name = seed, 1, f"{args.run_name}/seed{seed}"
+                    upload_succeeded &= save_evaluate_upload(seed_args, self.script, model)
         self.logger.finish()
         self.folder.release()
         liveness.stop_watching()  # peers leave the barrier below one by one: none of them is a silent host

@@ -12,6 +12,7 @@ from conftest import (
     ANAKIN_SCRIPT,
     finish_processes,
     finish_script,
+    read_scalars,
     run_script,
     start_processes,
     start_script,
@@ -157,3 +158,42 @@ def test_a_diverged_update_stops_with_one_line_and_the_last_finite_checkpoint(wo
     assert run.returncode == 1, run.stderr[-2000:]
     error = run.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"error: update (\d+) diverged .* the last finite state is checkpoint \d+; .*", error), error
+
+
+SEED_DIGESTS = re.compile(r"seed (\d+): params sha256=([0-9a-f]{64}) envs sha256=([0-9a-f]{64})")
+
+
+@pytest.mark.slow
+def test_four_seeds_in_one_program_stop_and_resume_each_bit_for_bit(workdir):
+    """--num-seeds 4: every seed's TensorBoard folder (runs/{run}/seed{seed}) logs each update once, the run's folder
+    their mean and the min and max return over seeds; SIGTERM after update 4, then the same command: each seed's
+    final digests are the uninterrupted 4-seed run's; --save-model saves and evaluates one model per seed."""
+    flags = [*TINY, "--env-id", "MiniGrid-Empty-5x5", "--total-timesteps", "6400", "--num-seeds", "4", "--seed", "3"]
+    first = run_script([*flags, "--save-model", "--eval-episodes", "2"], workdir, "first", script=ANAKIN_SCRIPT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    uninterrupted = dict((seed, digests) for seed, *digests in SEED_DIGESTS.findall(first.stdout.split("final ")[-1]))
+    assert sorted(uninterrupted) == ["3", "4", "5", "6"] and len(set(map(tuple, uninterrupted.values()))) == 4
+    assert re.search(r"avg_episodic_return=[\d.]+ \(seeds: min [\d.]+ max [\d.]+\)", first.stdout), first.stdout
+    scalars = first.scalars()
+    for tag in ["charts/avg_episodic_return_min", "charts/avg_episodic_return_max", "losses/approx_kl"]:
+        assert [step for step, _ in scalars[tag]][-1] == 6400, tag
+    for seed in range(3, 7):
+        seed_scalars = read_scalars(first.run_dir / f"seed{seed}")
+        assert [step for step, _ in seed_scalars["losses/approx_kl"]] == [128 * u for u in range(1, 51)]
+        assert len(seed_scalars["eval/episodic_return"]) == 2
+        assert (first.run_dir / f"seed{seed}" / "cleanba_ppo_anakin.cleanrl_model").is_file()
+    stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
+    try:
+        wait_for_line(stopped, "update=4/")
+        stopped.send_signal(signal.SIGTERM)
+        stopped.communicate(timeout=60)
+    finally:
+        stopped.kill()
+    assert stopped.returncode == 143
+    resumed = finish_script(start_script(flags, workdir, "stopped", ANAKIN_SCRIPT), workdir, "stopped")
+    assert resumed.returncode == 0 and "resumed from checkpoint: update=" in resumed.stdout, resumed.stderr[-2000:]
+    final = dict((seed, digests) for seed, *digests in SEED_DIGESTS.findall(resumed.stdout.split("final ")[-1]))
+    assert final == uninterrupted
+    for seed in range(3, 7):  # every update logged once, across the stop
+        steps = [step for step, _ in read_scalars(resumed.run_dir / f"seed{seed}")["losses/approx_kl"]]
+        assert steps == [128 * u for u in range(1, 51)], steps
