@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.benchmark import fail, pyplot, read_run, readme_training_commands, save
+from cleanrl_utils.benchmark import fail, pyplot, read_records, read_run, readme_training_commands, save
 from cleanrl_utils.cli import run_cli
 
 plt = pyplot()
@@ -211,10 +211,11 @@ def main(args: Args):
                 result = run(argv, workdir, f"scaling-{args.scaling_env_id}-{envs}-{devices}")
                 point = {"envs_per_device": envs, "devices": devices, "env_id": args.scaling_env_id}
                 records.append({"part": "scaling", **point, **result})
-    with open(args.results, "a") as results:
-        for record in records:
-            results.write(json.dumps(record) + "\n")
-    records = [json.loads(line) for line in Path(args.results).read_text().splitlines()]
+    if records:  # --table-only reads --results: a missing one is an error, not created empty
+        with open(args.results, "a") as results:
+            for record in records:
+                results.write(json.dumps(record) + "\n")
+    records = read_records(args.results, "--results")
     # the newest run of each seed and of each scaling point counts
     key = lambda r: (r["part"], r.get("architecture"), r.get("seed"), r.get("envs_per_device"), r.get("devices"))
     newest = {(*key(r), r.get("env_id", TASK)): r for r in records}  # the scaling runs before --scaling-env-id: TASK

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.benchmark import fail
+from cleanrl_utils.benchmark import fail, python_script
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import envpool_num_threads
+from cleanrl_utils.envs import check_env_id
 from cleanrl_utils.evals.evaluate import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,7 +104,8 @@ def measure(module, env_id: str, num_envs: int, pools: int, envpool_threads: int
 def main(args: CeilingArgs):
     if (error := bad_flag(args)) is not None:
         fail(error)
-    module = load_script(args.script)
+    module = load_script(python_script(args.script, "--script"))
+    check_env_id(args.env_id, discrete=True)  # random actions of a discrete action space
     for pools, num_envs, envpool_threads in itertools.product(args.pools, args.num_envs, args.envpool_threads):
         steps, seconds, sps, num_threads = measure(
             module, args.env_id, num_envs, pools, envpool_threads, args.steps, args.seconds

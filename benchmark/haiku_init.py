@@ -13,6 +13,9 @@ import sys
 
 import flax.linen as nn
 
+from cleanrl_utils.benchmark import fail, python_script
+from cleanrl_utils.cli import run_main
+
 HAIKU_TRUNCATED_NORMAL_VARIANCE = 0.87962566**2
 
 
@@ -22,7 +25,16 @@ def use_haiku_initializers():
     )
 
 
+def script_of(argv: list[str]) -> str:
+    """The script to run, the first argument (its flags follow): checked here, before it runs, so that a missing or
+    binary one is one line, not runpy's traceback."""
+    if not argv:
+        fail("script: missing; usage: python benchmark/haiku_init.py SCRIPT.py [the script's flags]")
+    return str(python_script(argv[0], "script"))
+
+
 if __name__ == "__main__":
+    script = run_main(script_of, sys.argv[1:])
     use_haiku_initializers()
     sys.argv = sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    runpy.run_path(script, run_name="__main__")

@@ -52,7 +52,17 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, find_runs, machine, mean_and_spread, pyplot, read_run, save
+from cleanrl_utils.benchmark import (
+    PGX_MINATAR_PPO,
+    fail,
+    find_runs,
+    machine,
+    mean_and_spread,
+    pyplot,
+    read_records,
+    read_run,
+    save,
+)
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.errors import RunError
 
@@ -296,7 +306,7 @@ def main(args: Args):
 
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(run_and_record, runs))
-    records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    records = read_records(results, "--results")
     # the newest record of each (env, variant, seed) of this script
     records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}
     records = [r for (env_id, _, seed), r in records.items() if env_id in args.env_ids and seed in args.seeds]

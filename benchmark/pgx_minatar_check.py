@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, machine
+from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, machine, read_input
 from cleanrl_utils.cli import run_cli
 
 BENCHMARK = Path(__file__).parent
@@ -94,7 +94,7 @@ def run(name: str, command: list[str], env: dict, logs: Path) -> float:
 def record(log: Path) -> dict | None:
     """A run's record from its log: pgx's last printed evaluation, or our saved model's evaluation."""
     variant, seed = log.stem.rsplit("_", 1)
-    text = log.read_text()
+    text = read_input(log, "--logs", "the runs' console logs (text)")
     if variant == "pgx":
         evaluations = [ast.literal_eval(line) for line in text.splitlines() if "/eval_R" in line]
         if not evaluations:
@@ -120,12 +120,16 @@ def main(args: Args) -> None:
         fail(f"--env-id {args.env_id!r} is not one of pgx's MinAtar games: {', '.join(PGX_MINATAR_PPO)}")
     if unknown := sorted(set(args.variants) - {"default", "haiku"}):
         fail(f"--variants {' '.join(unknown)}: each must be default or haiku")
+    if args.jobs < 1:
+        fail(f"--jobs must be positive (got {args.jobs})")
     logs = Path(args.logs)
+    if args.from_logs and not logs.is_dir():
+        fail(f"--logs {logs}: not a folder; with --from-logs, the folder of the runs' logs")
+    if not args.from_logs:  # its text (another Python may run it: not compiled here)
+        read_input(args.pgx_train, "--pgx-train", "pgx's examples/minatar-ppo/train.py")
     logs.mkdir(parents=True, exist_ok=True)
     walls = {}
     if not args.from_logs:
-        if not Path(args.pgx_train).is_file():
-            fail(f"--pgx-train {args.pgx_train!r} is not a file: pass pgx's examples/minatar-ppo/train.py")
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = {
                 name: pool.submit(run, name, command, env, logs) for name, (command, env) in commands(args).items()

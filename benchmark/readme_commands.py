@@ -27,7 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from cleanrl_utils.benchmark import fail, find_runs, machine, pyplot, read_run, readme_training_commands, save
+from cleanrl_utils.benchmark import (
+    fail,
+    find_runs,
+    machine,
+    pyplot,
+    read_records,
+    read_run,
+    readme_training_commands,
+    save,
+)
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.errors import RunError
 
@@ -225,8 +234,7 @@ def main(args: Args):
             algorithm += f"+isa_{args.xla_cpu_max_isa}"
         records: dict[int, dict] = {}
         if args.table_only:
-            for line in Path(args.results).read_text().splitlines():
-                record = json.loads(line)
+            for record in read_records(args.results, "--results"):
                 if record["algorithm"] == algorithm and record["seed"] in args.seeds and record["command"] == command:
                     records[record["seed"]] = record  # the newest line of a seed counts
         else:

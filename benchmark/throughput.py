@@ -37,6 +37,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
+from cleanrl_utils.benchmark import python_script, read_records
 from cleanrl_utils.cli import parse_flags, run_cli, run_main
 from cleanrl_utils.devices import device_layout
 from cleanrl_utils.errors import RunError
@@ -287,16 +288,16 @@ def print_table(results: dict, platform: str, separate_devices: bool):
 def summarize(path: Path, baseline: Path | None):
     """One markdown row per measured config: samples/s of each stage, the learner's microseconds per sample, ceiling,
     full run, fraction, peak RSS ("-" where a config measured the learner alone: --stages learner)."""
-    load = lambda file: [json.loads(line) for line in file.read_text().splitlines()]
     key = lambda r: (r["script"], tuple(r["args"]))
-    before = {key(r): r for r in load(baseline)} if baseline else {}
+    rows = read_records(path, "--summarize")  # both read before the table starts: a bad file is the only output
+    before = {key(r): r for r in read_records(baseline, "--baseline")} if baseline else {}
     print(
         "| script | config | env | inference | learner | learner us/sample | serial ceiling | full | of ceiling |"
         + (" before: full, of ceiling |" if baseline else "")
         + " peak RSS (MiB) |"
     )
     print("|-" * (10 + bool(baseline)) + "|")
-    for r in load(path):
+    for r in rows:
         config = " ".join(r["args"])
         for flag in ["--actor-device-ids 0 ", "--learner-device-ids 1 ", "--learner-device-ids 1"]:
             config = config.replace(flag, "")
@@ -327,7 +328,7 @@ def main():
     if harness.summarize:
         return run_main(summarize, harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
-    module = load_script(harness.script)
+    module = run_main(lambda: load_script(python_script(harness.script, "--script")))
     return run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
 
 

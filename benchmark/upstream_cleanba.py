@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail, machine
+from cleanrl_utils.benchmark import fail, machine, read_input
 from cleanrl_utils.cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -209,7 +209,7 @@ def main(args: Args) -> None:
             fail(f"--{name.replace('_', '-')} must be positive (got {getattr(args, name)})")
     if not 1 <= args.warmup_updates < args.updates:
         fail(f"--warmup-updates must be in [1, --updates) (got {args.warmup_updates}, --updates {args.updates})")
-    text = args.cleanba_ppo.read_text()
+    text = read_input(args.cleanba_ppo, "--cleanba-ppo", "upstream Cleanba's cleanba/cleanba_ppo.py")
     script = patched(text, args.cleanba_ppo)
     args.logs.mkdir(parents=True, exist_ok=True)
     from throughput import HarnessArgs, measure_full_run  # ours, measured as throughput.py measures a full run

@@ -9,11 +9,14 @@ the end. With --slurm-template-path the sweep becomes one job array (one array t
 task has --slurm-ntasks tasks over --slurm-nodes nodes, started by srun: one jax.distributed process
 each). W&B runs are tagged with the git commit (WANDB_TAGS).
 
-It also holds what the tools in benchmark/ share (their `fail`, run folders, TensorBoard scalars, figures, the
-machine a record ran on, the README's commands); each tool's entry is `cleanrl_utils.cli.run_cli` (`run_main` for
-train_in_parts.py's argparse), so bad input is one `error:` line with exit code 2 everywhere.
+It also holds what the tools in benchmark/ share (their `fail`, the files they read: text, JSON lines and scripts,
+a missing or binary one named by its flag; run folders, TensorBoard scalars, figures, the machine a record ran on,
+the README's commands); each tool's entry is `cleanrl_utils.cli.run_cli` (`run_main` for train_in_parts.py's
+argparse and haiku_init.py's script), so bad input is one `error:` line with exit code 2 everywhere
+(tests/test_benchmark_tools.py runs each tool's).
 """
 
+import json
 import os
 import platform
 import re
@@ -71,8 +74,58 @@ def fail(message: str) -> NoReturn:
     raise UsageError(message)  # the CLI entry prints it as one `error:` line, exit code 2
 
 
+def read_input(path, flag: str, expected: str) -> str:
+    """The text of a file the user named with `flag`. A missing, unreadable or binary one is bad input (exit code 2,
+    the flag named), not a failed write nor a UnicodeDecodeError's traceback."""
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        fail(f"{flag} {path}: {error.strerror or error}; expected {expected}")
+    except UnicodeDecodeError:
+        fail(f"{flag} {path}: not UTF-8 text; expected {expected}")
+
+
 # ---------------------------------------------------------------- shared by the tools in benchmark/
 # matplotlib and TensorBoard are imported where used: the sweep above needs neither
+
+
+def read_records(path, flag: str) -> list[dict]:
+    """The records of a results file the user named with `flag`: one JSON object a line (blank lines skipped)."""
+    records = []
+    for number, line in enumerate(read_input(path, flag, "JSON lines, one record each").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            fail(f"{flag} {path}: line {number} is not a JSON object; expected JSON lines, one record each")
+        records.append(record)
+    return records
+
+
+def python_script(path, flag: str) -> Path:
+    """`path`, checked to be a Python script this interpreter can run (a file of UTF-8 text that compiles): one line
+    naming `flag` otherwise, before any import or run."""
+    if Path(path).suffix != ".py":
+        fail(f"{flag} {path}: not a Python script (.py)")
+    try:
+        compile(read_input(path, flag, "a Python script"), str(path), "exec")
+    except (SyntaxError, ValueError) as error:  # ValueError: a NUL byte
+        fail(f"{flag} {path}: not a Python script this Python can run ({error})")
+    return Path(path)
+
+
+def check_each(flag: str, values, check):
+    """`check(value)` for each value of a tool's list flag, its UsageError's line naming the tool's flag too (the
+    check names the scripts' own flag, e.g. --env-id for a tool's --env-ids)."""
+    for value in values:
+        try:
+            check(value)
+        except UsageError as error:
+            fail(f"{flag}: {error}")
+
 
 # pgx's MinAtar PPO example (sotetsuk/pgx, examples/minatar-ppo/assets/*.png, its README's plots): the last point of
 # each curve at 20M steps, read from the plot (the evaluation return of the sampled policy, one episode in each of 100
@@ -170,7 +223,7 @@ def machine() -> dict:
 def readme_training_commands(readme: str) -> list[str]:
     """The README's CPU training commands, in order (continuation lines joined; `pip install uv && ` dropped; the GPU
     command, with `--extra`, skipped)."""
-    blocks = re.findall(r"```bash\n(.*?)```", Path(readme).read_text(), flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", read_input(readme, "--readme", "the README (Markdown)"), flags=re.S)
     lines = [
         " ".join(line.replace("pip install uv && ", "").split())
         for b in blocks
@@ -256,7 +309,8 @@ def render_slurm_script(args: Args, template: str) -> str:
 
 
 def submit_slurm(args: Args) -> int:
-    script = render_slurm_script(args, Path(args.slurm_template_path).read_text())
+    template = read_input(args.slurm_template_path, "--slurm-template-path", "a Slurm job script template")
+    script = render_slurm_script(args, template)
     log_dir = Path(args.slurm_log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     script_path = log_dir / f"{args.slurm_job_name}_{int(time.time())}.slurm"
