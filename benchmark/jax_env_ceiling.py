@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cleanrl_utils.benchmark import fail, machine
+from cleanrl_utils.benchmark import check_each, fail, machine
 from cleanrl_utils.cli import run_cli
+from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import load_script
-from cleanrl_utils.jax_envs import make_jax_env
+from cleanrl_utils.jax_envs import check_env_id, make_jax_env
 
 
 @dataclass
@@ -101,6 +102,18 @@ def torso_gradient_ms(torso: str, minibatch_size: int, scanned: bool) -> float:
     return (time.perf_counter() - started) / (3 * calls) * 1000
 
 
+def check_either_kind(env_id: str):
+    """An id of an Anakin script of either action kind (the step is timed with the env's own random actions); the
+    discrete kind's line if neither (it names the ids the MinAtar torso's part is about)."""
+    try:
+        check_env_id(env_id, discrete=True)
+    except UsageError as discrete_error:
+        try:
+            check_env_id(env_id, discrete=False)
+        except UsageError:
+            raise discrete_error from None
+
+
 def record(results: Path, **fields):
     line = {**fields, **machine(), "date": datetime.date.today().isoformat()}
     print(json.dumps(line), flush=True)
@@ -112,6 +125,13 @@ def main(args: Args):
     unknown = sorted(set(args.parts) - {"step", "torso"})
     if unknown:
         fail(f"--parts: unknown {unknown}; expected step and/or torso")
+    for name, values in [("num_envs", args.num_envs), ("num_steps", [args.num_steps]), ("repeats", [args.repeats])]:
+        if not values or min(values) < 1:
+            fail(f"--{name.replace('_', '-')} must be one or more positive integers (got {values})")
+    if args.minibatch_size < 1:
+        fail(f"--minibatch-size must be a positive integer (got {args.minibatch_size})")
+    if "step" in args.parts:
+        check_each("--env-ids", args.env_ids, check_either_kind)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     if "step" in args.parts:

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from cleanrl_utils.benchmark import fail
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.evals.evaluate import load_script
 
@@ -76,6 +77,12 @@ def measure(muzero, env_id: str, num_envs: int, seconds: float, warmup: int) -> 
 
 
 def main(args: BenchArgs):
+    if not args.env_ids or not set(args.env_ids) <= set(SETTINGS):
+        fail(f"--env-ids must be one or more of {', '.join(SETTINGS)} (the settings measured), got {args.env_ids}")
+    if not args.envs_per_thread or min(args.envs_per_thread) < 1:
+        fail(f"--envs-per-thread must be one or more positive integers (got {args.envs_per_thread})")
+    if not 0 < args.seconds < float("inf") or args.warmup < 1:
+        fail(f"--seconds must be positive and finite, --warmup positive (got {args.seconds}, {args.warmup})")
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         muzero = load_script(SCRIPT)

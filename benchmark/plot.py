@@ -86,18 +86,25 @@ class Panels:
     hardware: str = HARDWARE
 
 
+def run_folders(runs: list[str]) -> list[Path]:
+    """--runs, each checked to be a run folder (its TensorBoard events in it) before anything is drawn."""
+    for run in runs:
+        if not Path(run).is_dir():
+            fail(f"--runs: {run} is not a directory")
+        if not any(Path(run).glob("events.out.tfevents.*")):
+            fail(f"--runs: {run} holds no TensorBoard events (events.out.tfevents.*): not a run folder")
+    return [Path(run) for run in runs]
+
+
 def experiment_runs(args: Curves) -> dict[str, list[Path]]:
     """label -> the run directories (one per seed) of each experiment: the --runs, or those of each --exp-names."""
     if bool(args.runs) == bool(args.exp_names):
         fail("give either --runs (run folders) or --env-id with --exp-names")
     if args.runs:
-        for run in args.runs:
-            if not Path(run).is_dir():
-                fail(f"--runs: {run} is not a directory")
         labels = args.labels or [args.env_id or "runs"]
         if len(labels) != 1:
             fail(f"--labels needs one name for the --runs (the seeds of one experiment), got {len(labels)}")
-        return {labels[0]: [Path(run) for run in args.runs]}
+        return {labels[0]: run_folders(args.runs)}
     if not args.env_id:
         fail("--exp-names needs --env-id (runs are found by the name {env_id}__{exp_name}__{seed}__{time})")
     labels = args.labels or args.exp_names
@@ -199,13 +206,14 @@ def plot_sps(args: Sps):
 
 
 def plot_panels(args: Panels):
-    labels = args.labels or [Path(run).name for run in args.runs]
+    runs = run_folders(args.runs)
+    labels = args.labels or [run.name for run in runs]
     if len(labels) != len(args.runs) or (args.baselines and len(args.baselines) != len(args.runs)):
         fail(f"--labels and --baselines need one entry per --runs entry ({len(args.runs)})")
     figure, axes = plt.subplots(1, len(args.runs), figsize=(3.6 * len(args.runs), 3.4), squeeze=False)
     print("| run | final return (mean of the last 5 logged) | random policy | env steps |\n|---|---|---|---|")
-    for index, (run, label, axis) in enumerate(zip(args.runs, labels, axes[0])):
-        steps, _, values = read_run(Path(run), "charts/avg_episodic_return")
+    for index, (run, label, axis) in enumerate(zip(runs, labels, axes[0])):
+        steps, _, values = read_run(run, "charts/avg_episodic_return")
         axis.plot(steps, values, color="tab:blue", label="Sebulba agent")
         baseline = args.baselines[index] if args.baselines else None
         if baseline is not None:

@@ -16,14 +16,23 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
+from functools import partial
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from cleanrl_utils.benchmark import check_each, fail
 from cleanrl_utils.cli import run_cli
+from cleanrl_utils.envs import check_env_id
+from cleanrl_utils.errors import RunError
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "cleanba" / "cleanba_sac_continuous_action_envpool_mujoco.py"
+# envpool's MuJoCo Box spaces are float64; gymnasium warns when it casts them (the env check makes one), as the
+# scripts say where they filter the same warning
+warnings.filterwarnings("ignore", message=".*precision lowered by casting to float32")
+BATCH = 256  # env steps per update of the script's defaults: 2 actor threads x 4 envs x 32 steps
 
 
 @dataclasses.dataclass
@@ -37,9 +46,31 @@ class BenchArgs:
     learning_starts: int = 512
 
 
+def first_steady_update(args: BenchArgs) -> int:
+    """The index of the first update of the steady state: after learning starts, plus --warmup-updates."""
+    return -(-args.learning_starts // BATCH) + args.warmup_updates
+
+
+def check_flags(args: BenchArgs):
+    """One line naming the flag, before any run: each run is a subprocess that would fail only after its start-up."""
+    if not args.replay_ratios or not all(0 < ratio < float("inf") for ratio in args.replay_ratios):
+        fail(f"--replay-ratios must be one or more positive, finite numbers (got {args.replay_ratios})")
+    if args.learning_starts < 0:
+        fail(f"--learning-starts must be non-negative (got {args.learning_starts})")
+    if args.warmup_updates < 1:  # the learner compiles in the first update after learning starts
+        fail(f"--warmup-updates must be positive (got {args.warmup_updates})")
+    if args.updates <= first_steady_update(args):
+        fail(
+            f"--updates ({args.updates}) must exceed the updates before learning starts plus --warmup-updates "
+            f"({first_steady_update(args)}): the steady state is measured after them"
+        )
+    if not args.env_ids:
+        fail("--env-ids needs one or more env ids")
+    check_each("--env-ids", args.env_ids, partial(check_env_id, discrete=False))  # last: it makes an env of each
+
+
 def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
-        batch = 256  # the defaults: 2 actor threads x 4 envs x 32 steps
         command = [
             sys.executable,
             str(SCRIPT),
@@ -50,7 +81,7 @@ def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool
             "--learning-starts",
             str(args.learning_starts),
             "--total-timesteps",
-            str(args.updates * batch),
+            str(args.updates * BATCH),
             "--actor-device-ids",
             "0",
             "--learner-device-ids",
@@ -63,11 +94,13 @@ def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool
             "bench",
             *([] if concurrency else ["--no-concurrency"]),
         ]
-        subprocess.run(command, cwd=workdir, check=True, stdout=subprocess.DEVNULL)
+        code = subprocess.run(command, cwd=workdir, stdout=subprocess.DEVNULL).returncode
+        if code != 0:  # its own error line is above (its stderr is this one's)
+            raise RunError(f"the SAC script failed ({code}) on {env_id}, --replay-ratio {replay_ratio}")
         events = EventAccumulator(str(Path(workdir) / "runs" / "bench"), size_guidance={"scalars": 0})
         events.Reload()
         sps = events.Scalars("charts/SPS")
-        first = -(-args.learning_starts // batch) + args.warmup_updates  # index of the first steady update
+        first = first_steady_update(args)
         start, end = sps[first - 1], sps[-1]
         seconds = end.wall_time - start.wall_time
         gradient_steps = sum(e.value for e in events.Scalars("stats/gradient_steps")[first:])
@@ -82,6 +115,7 @@ def measure(args: BenchArgs, env_id: str, replay_ratio: float, concurrency: bool
 
 
 def main(args: BenchArgs):
+    check_flags(args)
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         rows = [
