@@ -70,6 +70,29 @@ MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaq
 # pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
 PGX_PPO="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \
   --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"
+SECTIONS="ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream ceiling-sweep breakout10m learner sync"
+# every argument is checked before the first section runs: a typo in the last section would otherwise end the command
+# after hours of the others, and a flag (there are none: the settings are environment variables) would be a folder
+case $out in
+-*)
+  echo "error: results folder '$out': gpu.sh takes no flags (its settings are environment variables); usage:" \
+    "bash benchmark/gpu.sh [results folder] [sections...]" >&2
+  exit 2
+  ;;
+esac
+for section in $sections; do
+  case " $SECTIONS " in
+  *" $section "*) ;;
+  *)
+    echo "error: unknown section '$section' (allowed: $SECTIONS)" >&2
+    exit 2
+    ;;
+  esac
+  [ "$section" != pgx-check ] || [ -f "${PGX_TRAIN:-}" ] ||
+    { echo "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py" >&2; exit 2; }
+  [ "$section" != cleanba-upstream ] || [ -f "${CLEANBA_PPO:-}" ] ||
+    { echo "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py" >&2; exit 2; }
+done
 mkdir -p "$out"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the harness and the run it starts share the GPU; memory as used
 # the runs of one game share their compiled update: seed 2 reuses seed 1's
@@ -133,14 +156,12 @@ for section in $sections; do
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "!! Anakin SPS run failed"; status=1; }
     ;;
   pgx-check)
-    [ -f "${PGX_TRAIN:-}" ] || { echo "error: pgx-check needs PGX_TRAIN, pgx's examples/minatar-ppo/train.py" >&2; exit 2; }
     # shellcheck disable=SC2086
     step $PY "$repo/benchmark/pgx_minatar_check.py" --pgx-train "$PGX_TRAIN" --python "$PY" \
       --logs "$out/pgx_check_logs" --results "$out/gpu_pgx_minatar_check.jsonl" \
       --pgx-seeds ${PGX_SEEDS:-0 1 2 3 4 5 6 7} --ours-seeds ${OURS_SEEDS:-1 2 3 4 5 6 7 8} --jobs "${PGX_CHECK_JOBS:-24}"
     ;;
   cleanba-upstream)
-    [ -f "${CLEANBA_PPO:-}" ] || { echo "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py" >&2; exit 2; }
     # shellcheck disable=SC2086
     step $PY "$repo/benchmark/upstream_cleanba.py" --cleanba-ppo "$CLEANBA_PPO" --results "$out/gpu_cleanba_upstream.jsonl" \
       --logs "$out/cleanba_upstream_logs" $GPU0 ${UPSTREAM_FLAGS:-}
@@ -185,11 +206,6 @@ for section in $sections; do
       done
     done
     step $PY "$repo/benchmark/throughput.py" --summarize "$out/gpu_sync.jsonl"
-    ;;
-  *)
-    echo "error: unknown section '$section' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check" \
-      "cleanba-upstream ceiling-sweep breakout10m learner sync)" >&2
-    exit 2
     ;;
   esac
 done

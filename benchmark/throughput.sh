@@ -5,6 +5,14 @@
 set -euo pipefail
 out=${1:-throughput.jsonl}
 dir=${2:-cleanba}
+# the arguments are checked before the first of the runs (a bad one would otherwise fail minutes in, or be a file name)
+usage="usage: bash benchmark/throughput.sh [results.jsonl [scripts folder]]"
+[ $# -le 2 ] || { echo "error: too many arguments (from '$3' on); $usage" >&2; exit 2; }
+case $out in -*) echo "error: results file '$out': throughput.sh takes no flags; $usage" >&2; exit 2 ;; esac
+for algorithm in ppo impala; do
+  [ -f "$dir/cleanba_${algorithm}_envpool_impala_atari_wrapper.py" ] ||
+    { echo "error: scripts folder '$dir' has no cleanba_${algorithm}_envpool_impala_atari_wrapper.py; $usage" >&2; exit 2; }
+done
 harness="uv run python benchmark/throughput.py --json $out --repeats 3 --full-repeats 2"
 CARTPOLE="--env-id CartPole-v1 --hiddens 64 64 --actor-device-ids 0 --learner-device-ids 1"
 BREAKOUT_TINY="--env-id Breakout-v5 --num-steps 32 --channels 4 --hiddens 16 --num-minibatches 2 --local-num-envs 8
