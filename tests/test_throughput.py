@@ -146,22 +146,6 @@ def test_env_ceiling_refuses_a_bad_flag_in_one_line(flags, error, workdir):
     assert (completed.returncode, completed.stderr.strip()) == (2, error)
 
 
-def test_gpu_benchmark_rejects_an_unknown_section_in_one_line(workdir):
-    completed = subprocess.run(
-        ["bash", str(REPO / "benchmark" / "gpu.sh"), str(workdir), "curves"],
-        cwd=REPO,
-        env={**script_env(), "PY": sys.executable},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert completed.returncode == 2
-    assert completed.stderr.strip() == (
-        "error: unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check "
-        "cleanba-upstream ceiling-sweep breakout10m learner sync)"
-    )
-
-
 def test_gpu_benchmarks_learner_and_sync_sections_give_the_scripts_flags_they_take(workdir):
     """The learner and sync sections' runs (Breakout at the defaults: GPU-sized) as commands only (PY=echo), started
     from a folder outside the repository: each names throughput.py and a script, both found from that folder, whose
