@@ -215,7 +215,7 @@ def main(args: Args):
         with open(args.results, "a") as results:
             for record in records:
                 results.write(json.dumps(record) + "\n")
-    records = read_records(args.results, "--results")
+    records = read_records(args.results, "--results", keys=("part",))
     # the newest run of each seed and of each scaling point counts
     key = lambda r: (r["part"], r.get("architecture"), r.get("seed"), r.get("envs_per_device"), r.get("devices"))
     newest = {(*key(r), r.get("env_id", TASK)): r for r in records}  # the scaling runs before --scaling-env-id: TASK

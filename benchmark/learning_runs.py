@@ -306,7 +306,7 @@ def main(args: Args):
 
         with ThreadPoolExecutor(args.jobs) as pool:
             list(pool.map(run_and_record, runs))
-    records = read_records(results, "--results")
+    records = read_records(results, "--results", keys=("env_id", "variant", "seed"))
     # the newest record of each (env, variant, seed) of this script
     records = {(r["env_id"], r["variant"], r["seed"]): r for r in records if r.get("script") == args.script}
     records = [r for (env_id, _, seed), r in records.items() if env_id in args.env_ids and seed in args.seeds]

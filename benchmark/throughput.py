@@ -289,8 +289,10 @@ def summarize(path: Path, baseline: Path | None):
     """One markdown row per measured config: samples/s of each stage, the learner's microseconds per sample, ceiling,
     full run, fraction, peak RSS ("-" where a config measured the learner alone: --stages learner)."""
     key = lambda r: (r["script"], tuple(r["args"]))
-    rows = read_records(path, "--summarize")  # both read before the table starts: a bad file is the only output
-    before = {key(r): r for r in read_records(baseline, "--baseline")} if baseline else {}
+    rows = read_records(
+        path, "--summarize", keys=("script", "args")
+    )  # both read before the table starts: a bad file is the only output
+    before = {key(r): r for r in read_records(baseline, "--baseline", keys=("script", "args"))} if baseline else {}
     print(
         "| script | config | env | inference | learner | learner us/sample | serial ceiling | full | of ceiling |"
         + (" before: full, of ceiling |" if baseline else "")

@@ -89,8 +89,9 @@ def read_input(path, flag: str, expected: str) -> str:
 # matplotlib and TensorBoard are imported where used: the sweep above needs neither
 
 
-def read_records(path, flag: str) -> list[dict]:
-    """The records of a results file the user named with `flag`: one JSON object a line (blank lines skipped)."""
+def read_records(path, flag: str, keys: tuple[str, ...] = ()) -> list[dict]:
+    """The records of a results file the user named with `flag`: one JSON object a line (blank lines skipped), each
+    with `keys` (a results file of another tool has others)."""
     records = []
     for number, line in enumerate(read_input(path, flag, "JSON lines, one record each").splitlines(), 1):
         if not line.strip():
@@ -101,6 +102,9 @@ def read_records(path, flag: str) -> list[dict]:
             record = None
         if not isinstance(record, dict):
             fail(f"{flag} {path}: line {number} is not a JSON object; expected JSON lines, one record each")
+        missing = [key for key in keys if key not in record]
+        if missing:
+            fail(f"{flag} {path}: line {number} has no {', '.join(missing)}: not a record of this tool")
         records.append(record)
     return records
 
