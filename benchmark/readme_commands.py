@@ -97,6 +97,10 @@ class Args:
     recorded, and the runs, table and figure are named apart (`impala+isa_AVX2`)"""
     table_only: bool = False
     """run nothing: print the tables and draw the figures from the runs recorded in --results (the newest per seed)"""
+    one_process: bool = False
+    """an Anakin command's seeds (consecutive) in one process, `--num-seeds`: each seed's curve from its folder
+    runs/{run}/seed{seed}, each record's wall time the whole process's; the runs, table and figure are named apart
+    (`ppo_anakin+one_process`)"""
 
 
 def readme_commands(readme: str) -> dict[str, str]:
@@ -152,6 +156,36 @@ def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
         "run_dir": str(run_dir),
         "curve": [[int(step), float(value)] for step, value in zip(steps, values)],  # tables need no run folder
     }
+
+
+def run_seeds_in_one_process(name: str, command: str, seeds: list[int]) -> dict[int, dict]:
+    """An Anakin command with `--num-seeds`: one process for all `seeds`, a record per seed (its folder's curve)."""
+    run_name = f"readme_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}_{int(time.time())}"
+    argv = [*shlex.split(command), "--seed", str(seeds[0]), "--num-seeds", str(len(seeds)), "--run-name", run_name]
+    print(f"running: {shlex.join(argv)}", flush=True)
+    start = time.time()
+    process = subprocess.run(argv, capture_output=True, text=True)
+    wall = time.time() - start
+    if process.returncode != 0:
+        raise RunError(f"{name} seeds {seeds} exited with {process.returncode}: {process.stderr[-2000:]}")
+    last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
+    records = {}
+    for seed in seeds:
+        run_dir = Path("runs", run_name, f"seed{seed}") if len(seeds) > 1 else Path("runs", run_name)
+        steps, _, values = read_run(run_dir, TAG)
+        records[seed] = {
+            "algorithm": name,
+            "seed": seed,
+            "command": command,
+            **machine(),
+            "date": datetime.date.today().isoformat(),
+            "wall_s": round(wall, 1),
+            "seeds_in_the_process": len(seeds),
+            "last": last_update,
+            "run_dir": str(run_dir),
+            "curve": [[int(step), float(value)] for step, value in zip(steps, values)],
+        }
+    return records
 
 
 def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
@@ -222,6 +256,12 @@ def main(args: Args):
     unknown = sorted(a for a in args.algorithms if a.split("@")[0] not in SCRIPTS)
     if unknown:
         fail(f"--algorithms: unknown {unknown}; expected any of {list(SCRIPTS)} (or ALGORITHM@ENV_ID)")
+    if args.one_process:
+        sebulba = [name for name in args.algorithms if not name.split("@")[0].endswith("anakin")]
+        if sebulba:
+            fail(f"--one-process: {sebulba} run a Sebulba script; only the Anakin scripts train seeds in one process")
+        if args.seeds != list(range(args.seeds[0], args.seeds[0] + len(args.seeds))):
+            fail(f"--one-process needs consecutive --seeds (one program trains seeds S .. S + N - 1), got {args.seeds}")
     commands = readme_commands(args.readme)
     missing = [a for a in args.algorithms if a not in commands]
     if missing:
@@ -232,11 +272,17 @@ def main(args: Args):
         algorithm = name if not extra else f"{name}+{'_'.join(extra).lstrip('-')}"
         if args.xla_cpu_max_isa:
             algorithm += f"+isa_{args.xla_cpu_max_isa}"
+        if args.one_process:
+            algorithm += "+one_process"
         records: dict[int, dict] = {}
         if args.table_only:
-            for record in read_records(args.results, "--results"):
+            for record in read_records(args.results, "--results", keys=("algorithm", "seed", "command")):
                 if record["algorithm"] == algorithm and record["seed"] in args.seeds and record["command"] == command:
                     records[record["seed"]] = record  # the newest line of a seed counts
+        elif args.one_process:
+            records = run_seeds_in_one_process(algorithm, command, args.seeds)
+            with open(args.results, "a") as results:
+                results.writelines(json.dumps(record) + "\n" for record in records.values())
         else:
             for seed in args.seeds:
                 records[seed] = run_seed(algorithm, command, seed, args.xla_cpu_max_isa)

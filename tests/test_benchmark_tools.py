@@ -32,6 +32,11 @@ CASES = {
         "anakin_vs_sebulba.py --parts side --readme {binary} --results {tmp}/r.jsonl",
         "--readme",
     ),
+    # benchmark/anakin_seeds.py
+    "anakin_seeds unknown flag": ("anakin_seeds.py --no-such-flag", "--no-such-flag"),
+    "anakin_seeds unknown command": ("anakin_seeds.py --command ppo", "--command"),
+    "anakin_seeds zero seeds": ("anakin_seeds.py --num-seeds 0", "--num-seeds"),
+    "anakin_seeds missing readme": ("anakin_seeds.py --readme {missing}", "--readme"),
     # benchmark/env_ceiling.py
     "env_ceiling unknown flag": ("env_ceiling.py --no-such-flag", "--no-such-flag"),
     "env_ceiling not a number": ("env_ceiling.py --seconds soon", "--seconds"),
@@ -114,10 +119,23 @@ CASES = {
     ),
     # benchmark/readme_commands.py
     "readme_commands unknown flag": ("readme_commands.py --no-such-flag", "--no-such-flag"),
+    "readme_commands one process of sebulba": ("readme_commands.py --one-process --algorithms ppo", "--one-process"),
+    "readme_commands one process of gaps": (
+        "readme_commands.py --one-process --algorithms ppo_anakin --seeds 1 3",
+        "--one-process",
+    ),
     "readme_commands unknown algorithm": ("readme_commands.py --algorithms bogus", "--algorithms"),
     "readme_commands missing results": ("readme_commands.py --table-only --results {missing}", "--results"),
     "readme_commands binary results": ("readme_commands.py --table-only --results {binary}", "--results"),
     "readme_commands results not JSON": ("readme_commands.py --table-only --results {text}", "--results"),
+    "readme_commands another tools results": (
+        "readme_commands.py --table-only --results benchmark/results/mujoco_ppo.jsonl",
+        "--results",
+    ),
+    "learning_runs another tools results": (
+        "learning_runs.py --table-only --results benchmark/results/readme_commands.jsonl",
+        "--results",
+    ),
     "readme_commands missing readme": ("readme_commands.py --readme {missing} --results {tmp}/r.jsonl", "--readme"),
     "readme_commands binary readme": ("readme_commands.py --readme {binary} --results {tmp}/r.jsonl", "--readme"),
     # benchmark/sac_throughput.py
