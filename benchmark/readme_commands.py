@@ -232,7 +232,9 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
     print(
         f"\n{passed} of {len(rows)} seeds reach {threshold:g}, the worst seed's best window "
         f"{worst['best']:,.{decimals}f} (seed {worst['seed']}); wall time {min(walls):.0f}-{max(walls):.0f} s, "
-        "one run at a time, on " + "; ".join(f"{cpu} ({date})" for cpu, date in sorted(where))
+        + ("all seeds in one process" if "seeds_in_the_process" in rows[0] else "one run at a time")
+        + ", on "
+        + "; ".join(f"{cpu} ({date})" for cpu, date in sorted(where))
     )
 
 
