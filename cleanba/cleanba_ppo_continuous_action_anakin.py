@@ -454,7 +454,12 @@ def seeded(update: Callable, num_seeds: int) -> Callable:
     an update); one seed runs its program as it is, bit for bit the run of its --seed."""
     if num_seeds > 1:
         return jax.vmap(update)
-    return lambda state: jax.tree.map(lambda x: x[None], update(jax.tree.map(lambda x: x[0], state)))
+
+    def one_seed(state):
+        state, metrics = update(jax.tree.map(lambda x: x[0], state))
+        return jax.tree.map(lambda x: x[None], (state, metrics))
+
+    return one_seed
 
 
 class LearnerState(NamedTuple):
@@ -466,10 +471,8 @@ class LearnerState(NamedTuple):
 
 
 def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
-    """The Anakin update: on every learner device (`shard_map` over the mesh axis "batch"), a rollout of its envs,
-    advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed over the devices with `psum`; for
-    each seed (`vmap` over the state's leading seed axis: every device holds every seed, and its share of each
-    seed's envs)."""
+    """The Anakin update of each seed (`seeded`): on every learner device (`shard_map` over the mesh axis "batch"), a
+    rollout of its envs, advantages, then epochs x minibatches of PPO (`lax.scan`), gradients summed with `psum`."""
     replicated, sharded_envs = P(), P(None, "batch")
     state_specs = LearnerState(replicated, replicated, sharded_envs)
     minibatch_size = args.num_steps * args.local_num_envs // args.num_minibatches
@@ -520,12 +523,9 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 
     # check_vma=False: the adapters' env steps have `lax.cond`s with a constant branch, which shard_map's
     # replication checks refuse for per-device data; so the gradient is each device's own and the psum above sums it
+    update = seeded(update, args.num_seeds)
     update = jax.shard_map(
-        seeded(update, args.num_seeds),
-        mesh=mesh,
-        in_specs=(state_specs,),
-        out_specs=(state_specs, replicated),
-        check_vma=False,
+        update, mesh=mesh, in_specs=(state_specs,), out_specs=(state_specs, replicated), check_vma=False
     )
     # its first call stops the run with one line if it cannot fit the devices' free memory (cleanrl_utils/memory.py)
     lower_memory = "raise --num-minibatches, or lower --local-num-envs or --num-steps"
@@ -603,7 +603,9 @@ def state_summary(state: LearnerState, seeds: Sequence[int]) -> str:
         f"envs sha256={tree_digest(seed_slice(state.envs, i))}"
         for i in range(len(seeds))
     ]
-    return digests[0] if len(seeds) == 1 else "; ".join(f"seed {s}: {d}" for s, d in zip(seeds, digests))
+    if len(seeds) == 1:
+        return digests[0]
+    return "; ".join(f"seed {seed}: {digest}" for seed, digest in zip(seeds, digests))
 
 
 def main(args: Args) -> int:
