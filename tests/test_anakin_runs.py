@@ -33,7 +33,7 @@ def seeded_runs(tmp_path_factory, request) -> dict:
         "12800",
         "--checkpoint-frequency",
         "0",
-    ]  # 100 updates
+    ]  # 100 updates (CartpoleBalance: each env ends its first 1,000-step episode)
     script = script_of(request.param)[1]
     first = run_script(flags, workdir, "first", script=script)
     stopped = start_script(flags, workdir, "stopped", script)
@@ -168,19 +168,19 @@ def test_four_seeds_in_one_program_stop_and_resume_each_bit_for_bit(workdir):
     """--num-seeds 4: every seed's TensorBoard folder (runs/{run}/seed{seed}) logs each update once, the run's folder
     their mean and the min and max return over seeds; SIGTERM after update 4, then the same command: each seed's
     final digests are the uninterrupted 4-seed run's; --save-model saves and evaluates one model per seed."""
-    flags = [*TINY, "--env-id", "MiniGrid-Empty-5x5", "--total-timesteps", "6400", "--num-seeds", "4", "--seed", "3"]
-    first = run_script([*flags, "--save-model", "--eval-episodes", "2"], workdir, "first", script=ANAKIN_SCRIPT)
+    flags = [*TINY, "--env-id", "MiniGrid-Empty-5x5", "--total-timesteps", "3200", "--num-seeds", "4", "--seed", "3"]
+    first = run_script([*flags, "--save-model", "--eval-episodes", "1"], workdir, "first", script=ANAKIN_SCRIPT)
     assert first.returncode == 0, first.stderr[-2000:]
     uninterrupted = dict((seed, digests) for seed, *digests in SEED_DIGESTS.findall(first.stdout.split("final ")[-1]))
     assert sorted(uninterrupted) == ["3", "4", "5", "6"] and len(set(map(tuple, uninterrupted.values()))) == 4
     assert re.search(r"avg_episodic_return=[\d.]+ \(seeds: min [\d.]+ max [\d.]+\)", first.stdout), first.stdout
     scalars = first.scalars()
     for tag in ["charts/avg_episodic_return_min", "charts/avg_episodic_return_max", "losses/approx_kl"]:
-        assert [step for step, _ in scalars[tag]][-1] == 6400, tag
+        assert [step for step, _ in scalars[tag]][-1] == 3200, tag
     for seed in range(3, 7):
         seed_scalars = read_scalars(first.run_dir / f"seed{seed}")
-        assert [step for step, _ in seed_scalars["losses/approx_kl"]] == [128 * u for u in range(1, 51)]
-        assert len(seed_scalars["eval/episodic_return"]) == 2
+        assert [step for step, _ in seed_scalars["losses/approx_kl"]] == [128 * u for u in range(1, 26)]
+        assert len(seed_scalars["eval/episodic_return"]) == 1
         assert (first.run_dir / f"seed{seed}" / "cleanba_ppo_anakin.cleanrl_model").is_file()
     stopped = start_script(flags, workdir, "stopped", ANAKIN_SCRIPT)
     try:
@@ -196,4 +196,4 @@ def test_four_seeds_in_one_program_stop_and_resume_each_bit_for_bit(workdir):
     assert final == uninterrupted
     for seed in range(3, 7):  # every update logged once, across the stop
         steps = [step for step, _ in read_scalars(resumed.run_dir / f"seed{seed}")["losses/approx_kl"]]
-        assert steps == [128 * u for u in range(1, 51)], steps
+        assert steps == [128 * u for u in range(1, 26)], steps
