@@ -11,15 +11,13 @@ seed's last logged average return (its folder runs/{run}/seed{seed}; the run's o
 
 import json
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail, machine, read_run, readme_training_commands
+from cleanrl_utils.benchmark import fail, machine, read_run, readme_training_commands, timed_process
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.errors import RunError
 
 SCRIPTS = {
     "ppo_anakin": "cleanba/cleanba_ppo_anakin.py",
@@ -52,12 +50,7 @@ def readme_command(readme: str, script: str) -> str:
 def timed_run(command: str, flags: list[str], run_name: str, seeds: list[int]) -> dict:
     """One process: its wall time and each seed's last logged average return."""
     argv = [*shlex.split(command), *flags, "--run-name", run_name]
-    print(f"running: {shlex.join(argv)}", flush=True)
-    start = time.time()
-    process = subprocess.run(argv, capture_output=True, text=True)
-    wall = time.time() - start
-    if process.returncode != 0:
-        raise RunError(f"{shlex.join(argv)} exited with {process.returncode}: {process.stderr[-2000:]}")
+    _, wall = timed_process(argv)
     folders = [Path("runs", run_name, f"seed{seed}") for seed in seeds] if len(seeds) > 1 else [Path("runs", run_name)]
     final = [float(read_run(folder, "charts/avg_episodic_return")[2][-1]) for folder in folders]
     return {"wall_s": round(wall, 1), "seeds": seeds, "final_returns": [round(value, 4) for value in final]}

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,9 +35,9 @@ from cleanrl_utils.benchmark import (
     read_run,
     readme_training_commands,
     save,
+    timed_process,
 )
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.errors import RunError
 
 plt = pyplot()
 
@@ -132,15 +131,10 @@ def env_id_of(command: str) -> str:
 def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
     exp_name = "readme_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
     argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
-    print(f"running: {shlex.join(argv)}", flush=True)
     env = dict(os.environ)
     if max_isa:  # the scripts append their device count to XLA_FLAGS, keeping this
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={max_isa}".strip()
-    start = time.time()
-    process = subprocess.run(argv, capture_output=True, text=True, env=env)
-    wall = time.time() - start
-    if process.returncode != 0:
-        raise RunError(f"{name} seed {seed} exited with {process.returncode}: {process.stderr[-2000:]}")
+    process, wall = timed_process(argv, env)
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
     steps, _, values = read_run(run_dir, TAG)
@@ -162,12 +156,7 @@ def run_seeds_in_one_process(name: str, command: str, seeds: list[int]) -> dict[
     """An Anakin command with `--num-seeds`: one process for all `seeds`, a record per seed (its folder's curve)."""
     run_name = f"readme_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}_{int(time.time())}"
     argv = [*shlex.split(command), "--seed", str(seeds[0]), "--num-seeds", str(len(seeds)), "--run-name", run_name]
-    print(f"running: {shlex.join(argv)}", flush=True)
-    start = time.time()
-    process = subprocess.run(argv, capture_output=True, text=True)
-    wall = time.time() - start
-    if process.returncode != 0:
-        raise RunError(f"{name} seeds {seeds} exited with {process.returncode}: {process.stderr[-2000:]}")
+    process, wall = timed_process(argv)
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     records = {}
     for seed in seeds:

@@ -33,7 +33,7 @@ from typing import NoReturn
 import numpy as np
 
 from cleanrl_utils.cli import run_cli
-from cleanrl_utils.errors import UsageError
+from cleanrl_utils.errors import RunError, UsageError
 
 
 @dataclass
@@ -107,6 +107,18 @@ def read_records(path, flag: str, keys: tuple[str, ...] = ()) -> list[dict]:
             fail(f"{flag} {path}: line {number} has no {', '.join(missing)}: not a record of this tool")
         records.append(record)
     return records
+
+
+def timed_process(argv: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """A run a tool starts, printed first, its output captured: (the process, its wall seconds); a RunError (exit
+    1) with its stderr's end if it failed."""
+    print(f"running: {shlex.join(argv)}", flush=True)
+    start = time.time()
+    process = subprocess.run(argv, capture_output=True, text=True, env=env)
+    wall = time.time() - start
+    if process.returncode != 0:
+        raise RunError(f"{shlex.join(argv)} exited with {process.returncode}: {process.stderr[-2000:]}")
+    return process, wall
 
 
 def python_script(path, flag: str) -> Path:

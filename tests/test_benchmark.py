@@ -310,10 +310,10 @@ def test_readme_commands_max_isa_is_added_to_the_runs_xla_flags(monkeypatch):
     class Started(Exception):
         pass
 
-    def started(argv, env, **kwargs):
+    def started(argv, env=None):
         raise Started(env["XLA_FLAGS"])
 
-    monkeypatch.setattr(readme_commands.subprocess, "run", started)
+    monkeypatch.setattr(readme_commands, "timed_process", started)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     with pytest.raises(Started, match="^--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2$"):
         readme_commands.run_seed("impala", "uv run python cleanba/x.py --env-id CartPole-v1", 1, "AVX2")
