@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -42,7 +42,7 @@ from cleanrl_utils.checkpoints import tree_digest
 from cleanrl_utils.cli import run_cli
 from cleanrl_utils.data_path import assemble_global_rollout, split_for_learners
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate
-from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool
+from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, reset_out_of_phase
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_envs_split, check_flags, check_int32_counts, check_run_flags
 from cleanrl_utils.logger import EpisodeStats, StageTimer
@@ -69,6 +69,9 @@ class Args(SebulbaArgs):  # the run's and Sebulba's flags (cleanrl_utils/flags.p
     env_options: list[str] = field(default_factory=list)
     """envpool options of --env-id as KEY=VALUE, over its family's cited ones (cleanrl_utils/envs.py), e.g.
     frame_skip=2 or max_episode_steps=500 (KEY: one of envpool's options of the id)"""
+    stagger_episodes: Literal["auto", "on", "off"] = "auto"
+    """start the envs' episodes out of phase: env g of the run's N first takes g x T / N random steps (T: the episode
+    length); auto: where no episode ends early (DeepMind Control), whose envs otherwise stay in lock-step"""
     total_timesteps: int = 1_000_000
     """total agent steps, summed over all envs and processes (PPO paper, Sec. 6.1: 1M) (in [1, 2**53])"""
     learning_rate: float = 3e-4
@@ -414,15 +417,20 @@ def actor_params(agent_state: AgentState):
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
     `key`, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
-    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key, obs_space = thread.key(key), envs.observation_space
     action_space, action_dim = envs.action_space, envs.action_space.shape[0]
-    next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
+    # --stagger-episodes: each env first takes its own number of random steps (cleanrl_utils/envs.py), so that
+    # episodes of a fixed length do not all start and end in the same rollout; those first episodes are not counted
+    first_env = thread.global_index * num_envs  # among the run's envs
+    next_obs, warm_up_steps = reset_out_of_phase(envs, args, first_env=first_env, seed=env_seed)
+    next_obs = next_obs.astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     # of each env so far: its std scales the rewards
     discounted_return = np.zeros(num_envs, dtype=np.float32)
-    episodes, timer = EpisodeStats(num_envs), StageTimer()
+    episodes, timer = EpisodeStats(num_envs, begun_before=warm_up_steps > 0), StageTimer()
     for update in range(thread.start_update + 1, args.num_updates + 1):
         with timer("params_queue_get_time"):
             # skipping the second get makes the actor exactly one policy version behind the learner

@@ -40,6 +40,7 @@ class Family(NamedTuple):
     continuous_example: str | None  # an id with Box actions (MuJoCo PPO, SAC), None if the family has none
     obs_layout: str  # "chw" / "hwc" uint8 images (IMPALA CNN), or "vector" (MLP; dicts are flattened)
     options: dict  # envpool.make keyword arguments, each from the family's reference setup
+    fixed_length_episodes: bool = False  # no episode ends early: envs that start together stay in lock-step
 
 
 FAMILIES = {  # envpool's registry name of the family -> how the scripts train on it
@@ -117,6 +118,7 @@ FAMILIES = {  # envpool's registry name of the family -> how the scripts train o
             # WalkerWalk's 1000 steps 2.5 s of simulated time instead of 25 s, issue #56)
             max_episode_steps=1000,
         ),
+        fixed_length_episodes=True,  # no task of the suite ends an episode early (Tassa et al. 2018, Sec. 2)
     ),
     # CartPole-v1, Acrobot-v1, ... (Discrete) and Pendulum-v1 (Box): the id's action space says which scripts take it
     "envpool.classic_control": Family("classic control", "CartPole-v1", "Pendulum-v1", "vector", {}),
@@ -282,6 +284,53 @@ def make_envpool(
         **env_options(env_id, overrides),
     )
     return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
+
+
+def out_of_phase_steps(
+    env_id: str, stagger: str, *, episode_steps: int, first_env: int, num_envs: int, global_num_envs: int
+) -> np.ndarray:
+    """The steps each env of a pool takes before the first rollout (--stagger-episodes): env g of the run's N envs
+    takes g x T // N (T = `episode_steps`), so their episodes end spread evenly over one episode length, as Sample
+    Factory's env decorrelation does; "auto" does it only where episodes never end early (`fixed_length_episodes`):
+    there envs that start together stay in lock-step for the whole run and every rollout holds the same stretch of
+    every episode. Zeros where it is off. `first_env`: the pool's first env among the run's (thread x envs)."""
+    family = FAMILIES[env_family(env_id)]
+    if stagger == "off" or (stagger == "auto" and not family.fixed_length_episodes):
+        return np.zeros(num_envs, dtype=np.int64)
+    return np.arange(first_env, first_env + num_envs, dtype=np.int64) * episode_steps // global_num_envs
+
+
+def reset_out_of_phase(envs, args, *, first_env: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Resets `envs` (a pool of the run's --env-id), then steps env j alone (envpool steps a subset of its envs) as
+    many times as `out_of_phase_steps` says for --stagger-episodes, with uniformly random actions (a NumPy generator
+    seeded with `seed`: the same steps in every run of the seed). An env whose episode ends on its last warm-up step
+    also takes envpool's reset step, so every env starts the first rollout inside an episode or at its start.
+    Returns the observations the first rollout starts from and each env's warm-up steps."""
+    warm_up_steps = out_of_phase_steps(
+        args.env_id,
+        args.stagger_episodes,
+        episode_steps=envs.config["max_episode_steps"],
+        first_env=first_env,
+        num_envs=len(envs.all_env_ids),
+        global_num_envs=args.global_num_envs,
+    )
+    obs = envs.reset()[0]
+    rng, space = np.random.default_rng(seed), envs.action_space
+    remaining = warm_up_steps.copy()
+    while remaining.any():
+        env_ids = np.flatnonzero(remaining).astype(np.int32)
+        actions = (
+            rng.integers(space.n, size=len(env_ids))
+            if hasattr(space, "n")
+            else rng.uniform(space.low, space.high, size=(len(env_ids), *space.shape)).astype(space.dtype)
+        )
+        step_obs, _, terminated, truncated, info = envs.step(actions, env_ids)
+        stepped = info["env_id"]  # the order envpool answers in
+        obs[stepped] = step_obs
+        remaining[stepped] -= 1
+        # an episode that ended on the last warm-up step: one more step, envpool's reset step
+        remaining[stepped[np.logical_or(terminated, truncated) & (remaining[stepped] == 0)]] = 1
+    return obs, warm_up_steps
 
 
 def random_policy_return(env_id: str, episodes: int, seed: int = 123, overrides: Sequence[str] = ()) -> float:

@@ -60,21 +60,26 @@ class StageTimer:
 class EpisodeStats:
     """Each env's last finished episode on the real game: unclipped rewards (Atari's info["reward"]) summed over whole
     games despite episodic life (info["terminated"] marks game over, not a lost life); envpool's reset step after an
-    episode's end is not a step of the game. NaN until an env finishes its first episode."""
+    episode's end is not a step of the game. NaN until an env finishes its first episode. `begun_before` marks the envs
+    whose first episode began before the first rollout (cleanrl_utils/envs.py's warm-up): the agent played only its
+    end, so it is not counted; their statistics start with their second episode."""
 
-    def __init__(self, num_envs: int):
+    def __init__(self, num_envs: int, begun_before: np.ndarray | None = None):
         self.episode_returns = np.zeros(num_envs, dtype=np.float64)
         self.episode_lengths = np.zeros(num_envs, dtype=np.int64)
         self.returned_episode_returns = np.full(num_envs, np.nan)
         self.returned_episode_lengths = np.full(num_envs, np.nan)
+        self.uncounted = np.zeros(num_envs, dtype=bool) if begun_before is None else np.array(begun_before, bool)
 
     def step(self, reward, terminated, truncated, info: dict, counted):
         """After an env step; `counted`: the envs whose step was a step of the game (not envpool's reset step)."""
         self.episode_returns += info.get("reward", reward)
         self.episode_lengths += counted
         game_over = np.logical_or(info["terminated"] if "terminated" in info else terminated, truncated)
-        self.returned_episode_returns = np.where(game_over, self.episode_returns, self.returned_episode_returns)
-        self.returned_episode_lengths = np.where(game_over, self.episode_lengths, self.returned_episode_lengths)
+        counted_end = game_over & ~self.uncounted
+        self.uncounted &= ~game_over
+        self.returned_episode_returns = np.where(counted_end, self.episode_returns, self.returned_episode_returns)
+        self.returned_episode_lengths = np.where(counted_end, self.episode_lengths, self.returned_episode_lengths)
         self.episode_returns *= ~game_over
         self.episode_lengths *= ~game_over
 
