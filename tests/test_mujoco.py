@@ -167,25 +167,17 @@ def test_learner_update_and_statistics_are_the_same_on_one_and_on_two_devices():
         assert not np.allclose(jax.tree.leaves(updated[0])[0], jax.tree.leaves(params)[0])
 
 
-def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns():
-    """One rollout of the actor thread, started as main starts it (keyword arguments, the script's ActorFns), on
-    Hopper-v4, whose random episodes end within a few dozen steps: the network's inputs are the raw observations
-    normalized with the statistics that came with the params; log-probabilities and values are those of the stored
-    (unclipped) actions and inputs; the discounted returns restart after every episode end; envpool's reset steps
-    are not valid."""
-    T, N, obs_dim = 64, 4, 11
-    args = mujoco.Args(env_id="Hopper-v4", local_num_envs=N, num_steps=T, num_actor_threads=1, hiddens=[8])
+def actor_rollout(args, params, obs_rms, global_index: int = 0):
+    """One rollout of the actor thread, started as main starts it (keyword arguments, the script's ActorFns), as the
+    thread of `global_index`: (its storage on the host, its params version, its episode statistics)."""
     args.num_updates = 1
-    agent, agent_state = mujoco.make_agent(args, jax.random.key(0))
-    obs_rms = mujoco.RunningMeanStd(
-        np.linspace(-1, 1, obs_dim, dtype=np.float32), np.full(obs_dim, 4, np.float32), np.float32(10)
-    )
+    agent = mujoco.make_network(args)
     params_queue, rollout_queue = queue.Queue(), queue.Queue()
-    params_queue.put(((agent_state.params, obs_rms), 0))
+    params_queue.put(((params, obs_rms), 0))
     device = jax.devices()[0]
     thread = ActorThread(
         index=0,
-        global_index=0,
+        global_index=global_index,
         device=device,
         learner_devices=[device],
         start_update=0,
@@ -193,18 +185,32 @@ def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns(
         stop_event=threading.Event(),
         queue_timeout=args.queue_timeout,
     )
-    make_envs = partial(mujoco.make_env, "Hopper-v4", num_envs=N)
     mujoco.actor_loop(
         args=args,
         thread=thread,
         key=jax.random.key(1),
-        make_envs=make_envs,
+        make_envs=partial(mujoco.make_env, args.env_id, num_envs=args.local_num_envs, env_options=args.env_options),
         actor_fns=mujoco.make_actor_fns(agent),
         params_queue=params_queue,
         rollout_queue=rollout_queue,
     )
     (storage,), version, stats = rollout_queue.get_nowait()  # one slice: one learner device
-    storage = jax.device_get(storage)
+    return jax.device_get(storage), version, stats
+
+
+def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns():
+    """One rollout on Hopper-v4, whose random episodes end within a few dozen steps: the network's inputs are the raw
+    observations normalized with the statistics that came with the params; log-probabilities and values are those of
+    the stored (unclipped) actions and inputs; the discounted returns restart after every episode end; envpool's reset
+    steps are not valid."""
+    T, N, obs_dim = 64, 4, 11
+    args = mujoco.Args(env_id="Hopper-v4", local_num_envs=N, num_steps=T, num_actor_threads=1, hiddens=[8])
+    args.global_num_envs = N
+    agent, agent_state = mujoco.make_agent(args, jax.random.key(0))
+    obs_rms = mujoco.RunningMeanStd(
+        np.linspace(-1, 1, obs_dim, dtype=np.float32), np.full(obs_dim, 4, np.float32), np.float32(10)
+    )
+    storage, version, stats = actor_rollout(args, agent_state.params, obs_rms)
     assert version == 0 and storage.actions.shape == (T, N, 3) and storage.bootstrap_value.shape == (1, N)
     np.testing.assert_allclose(storage.obs, mujoco.normalize_obs(obs_rms, storage.raw_obs), rtol=1e-5, atol=1e-6)
     action_mean, action_logstd, values = agent.apply(agent_state.params, storage.obs)
@@ -222,7 +228,35 @@ def test_rollout_stores_normalized_obs_unclipped_actions_and_discounted_returns(
         discounted_return *= ~ends[t]
 
 
-# a0-l1,2 with 2 actor threads on Hopper-v4 (episodes end early there): 4 updates of 64 steps, checkpoints at 2 and 4
+def test_dm_control_episodes_start_out_of_phase_and_off_keeps_them_in_lock_step():
+    """CartpoleSwingup's episodes never end early: with --stagger-episodes auto, env g of the run's 8 first takes
+    g x 40 / 8 random steps (40-step episodes here), so the second actor thread's envs 4-7 (20, 25, 30, 35 steps in)
+    end their episodes 20, 15, 10 and 5 steps into the first rollout, and env 7 its second 41 steps later (envpool's
+    reset step); the episodes begun in the warm-up are not counted, the second one is, and a second run steps the same
+    states. With --stagger-episodes off every env ends at step 40: lock-step."""
+    T, N = 50, 4
+    args = mujoco.Args(env_id="CartpoleSwingup-v1", env_options=["max_episode_steps=40"], local_num_envs=N, num_steps=T)
+    args.hiddens, args.global_num_envs = [8], 2 * N
+    agent, agent_state = mujoco.make_agent(args, jax.random.key(0))
+    obs_rms = agent_state.obs_rms
+
+    def episode_ends(storage):
+        ends = np.logical_or(storage.terminations, storage.truncations)
+        return [np.flatnonzero(ends[:, env]).tolist() for env in range(N)]
+
+    staggered, _, stats = actor_rollout(args, agent_state.params, obs_rms, global_index=1)
+    assert episode_ends(staggered) == [[19], [14], [9], [4, 45]]
+    np.testing.assert_array_equal(stats["returned_episode_lengths"], [np.nan, np.nan, np.nan, 40])
+    again, _, _ = actor_rollout(args, agent_state.params, obs_rms, global_index=1)
+    np.testing.assert_array_equal(again.raw_obs, staggered.raw_obs)
+    args.stagger_episodes = "off"
+    lock_step, _, stats = actor_rollout(args, agent_state.params, obs_rms, global_index=1)
+    assert episode_ends(lock_step) == [[39]] * N
+    assert stats["returned_episode_lengths"].tolist() == [40] * N
+
+
+# a0-l1,2 with 2 actor threads on Hopper-v4 (episodes end early there), episodes staggered: 4 updates of 64 steps,
+# checkpoints at 2 and 4
 LAYOUT_FLAGS = [
     *TINY_HALFCHEETAH,
     "--env-id",
@@ -241,6 +275,8 @@ LAYOUT_FLAGS = [
     "--save-model",
     "--seed",
     "3",
+    "--stagger-episodes",  # random warm-up steps, ended episodes among them: same seed, same states; resumed exactly
+    "on",
 ]
 
 
@@ -334,11 +370,12 @@ def test_a_discrete_action_env_is_one_clear_line(workdir):
         (["--ent-coef", "-0.1"], "--ent-coef must be non-negative and finite"),
         (["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
         (["--total-timesteps", "100"], "--total-timesteps (100) is smaller than one batch (2048 ="),
+        (["--stagger-episodes", "sometimes"], "invalid choice 'sometimes' for argument '--stagger-episodes'"),
     ],
     ids=(
         "env-option atari unknown negative-device duplicate-device device-out-of-range hiddens "
         "envs-split infinite-learning-rate negative-entropy-coefficient lambda-above-one "
-        "below-one-batch"
+        "below-one-batch stagger-choice"
     ).split(),
 )
 def test_bad_input_is_one_clear_line(workdir, monkeypatch, capsys, flags, message):

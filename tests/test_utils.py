@@ -442,6 +442,13 @@ def test_episode_stats_against_a_plain_loop():
         "returned_episode_returns": [5.0],
         "returned_episode_lengths": [2.0],
     }
+    # env 0's first episode began in the warm-up (cleanrl_utils/envs.py): its end is not a finished episode's
+    warmed, ones = EpisodeStats(2, begun_before=np.array([True, False])), np.ones(2, bool)
+    warmed.step(np.array([1.0, 1.0]), ones, ~ones, {}, counted=ones)
+    np.testing.assert_array_equal(warmed.read()["returned_episode_returns"], [np.nan, 1.0])
+    warmed.step(np.array([2.0, 2.0]), ~ones, ~ones, {}, counted=ones)
+    warmed.step(np.array([3.0, 3.0]), ones, ~ones, {}, counted=ones)
+    np.testing.assert_array_equal(warmed.read()["returned_episode_returns"], [5.0, 5.0])
 
 
 def test_actor_thread_seeds_keys_and_splits_for_the_learner_devices():
