@@ -1,7 +1,11 @@
-"""Every benchmark tool's bad input, as a user gives it (a subprocess from the repository root): a missing, binary or
-folder input file, a bad value, an unknown flag. Each is one `error:` line on stderr naming the flag (or argument)
-and what is allowed, exit code 2, before any heavy work: no traceback, no run started."""
+"""Every benchmark tool's bad input, as a user gives it (from the repository root): a missing, binary or folder input
+file, a bad value, an unknown flag. Each is one `error:` line on stderr naming the flag (or argument) and what is
+allowed, exit code 2, before any heavy work: no traceback, no run started. Each tool's first case runs as the user's
+process (its own interpreter, imports and `sys.path`); its other cases run the same `__main__` code with the same
+arguments in this process (runpy), without starting another interpreter that imports JAX or matplotlib again."""
 
+import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -227,18 +231,59 @@ def inputs(tmp_path) -> dict[str, Path]:
     return paths
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_is_one_error_line_and_exit_code_2(case, inputs):
-    command, named = CASES[case]
-    words = [word.format(**inputs) for word in command.split()]
+def first_cases() -> set[str]:
+    """Each tool's first case: the ones run as the user's process."""
+    firsts = {}
+    for case, (command, _) in CASES.items():
+        firsts.setdefault(command.split()[0], case)
+    return set(firsts.values())
+
+
+IN_A_PROCESS = first_cases()
+
+
+def run_in_a_process(words: list[str]) -> tuple[int, str]:
+    """`python benchmark/TOOL ...` (bash for the shell tools, `python -m` for the sweep) from the repository root."""
     argv = [sys.executable, *words] if words[0] == "-m" else [*tool(words[0]), *words[1:]]
     # from the repository root, as the tools' usage lines run them; the shell tools' Python is this one
     completed = subprocess.run(
         argv, cwd=REPO, env={**script_env(), "PY": sys.executable}, capture_output=True, text=True, timeout=120
     )
-    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
-    lines = completed.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), completed.stderr[-3000:]
+    return completed.returncode, completed.stderr
+
+
+def run_in_this_process(words: list[str], monkeypatch, capfd) -> tuple[int, str]:
+    """What `python benchmark/TOOL ...` runs, in this process: the tool's file as `__main__` with the same argv,
+    working directory, `sys.path[0]` and environment (the tests' XLA_FLAGS left out, as in script_env); the
+    environment and sys.path are restored after."""
+    path = REPO / "benchmark" / words[0]
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", [str(path), *words[1:]])
+    monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
+    environ = dict(os.environ)
+    os.environ.pop("XLA_FLAGS", None)
+    os.environ.update(WANDB_MODE="offline", PY=sys.executable)
+    capfd.readouterr()
+    try:
+        with pytest.raises(SystemExit) as exit_info:  # any other exception fails the case
+            runpy.run_path(str(path), run_name="__main__")
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+    return exit_info.value.code, capfd.readouterr().err
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_error_line_and_exit_code_2(case, inputs, monkeypatch, capfd):
+    command, named = CASES[case]
+    words = [word.format(**inputs) for word in command.split()]
+    if case in IN_A_PROCESS or not words[0].endswith(".py"):
+        returncode, stderr = run_in_a_process(words)
+    else:
+        returncode, stderr = run_in_this_process(words, monkeypatch, capfd)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
     assert named in lines[0], lines[0]
-    assert completed.returncode == 2, completed.stderr
+    assert returncode == 2, stderr
     assert not inputs["missing"].exists()  # a missing input is not created (e.g. empty, by an append)
