@@ -354,16 +354,51 @@ def why_procgen_cannot_start() -> str | None:
     return None
 
 
+# About each test file's time in the whole suite, in seconds: its tests added up, setup included (estimates for CI's
+# 2-core AMD EPYC, rounded, from the last CI runs' slowest durations and the time-by-file table of
+# docs/contributing.md). pytest-xdist gives whole files to its two workers in the collection's order (`--dist
+# loadfile --no-loadscope-reorder`, pyproject.toml): longest first, both workers end on short files at about the same
+# time, not one on a long file started last (xdist's own order, by number of tests, started test_slurm.py's and
+# test_distributed.py's 5 long tests among the last). A file not listed (a new one) goes first.
+FILE_SECONDS = {
+    "test_anakin.py": 450,
+    "test_anakin_runs.py": 400,
+    "test_r2d2.py": 330,
+    "test_muzero.py": 260,
+    "test_envs.py": 200,
+    "test_reliability.py": 160,
+    "test_sac.py": 150,
+    "test_distributed.py": 147,
+    "test_onpolicy.py": 145,
+    "test_slurm.py": 136,
+    "test_throughput.py": 120,
+    "test_smoke.py": 72,
+    "test_benchmark.py": 63,
+    "test_mujoco.py": 56,
+    "test_impala.py": 43,
+    "test_checkpoint.py": 37,
+    "test_learning.py": 35,
+    "test_lifecycle.py": 32,
+    "test_benchmark_tools.py": 25,
+    "test_math.py": 18,
+    "test_evals.py": 18,
+    "test_bad_input.py": 13,
+    "test_utils.py": 4,
+    "test_memory.py": 1,
+    "test_docs.py": 0,
+}
+
+
 def pytest_collection_modifyitems(config, items):
     """Learning runs beyond one per script (marked `extra_learning`: each env family's PPO run, the docs' longer
     commands, R2D2's memory pair) are deselected unless `-m` names the marker: `pytest -m extra_learning` runs them,
-    as docs/contributing.md asks of an issue that changes an algorithm's code, beside benchmark/readme_commands.py."""
-    if "extra_learning" in (config.option.markexpr or ""):
-        return
+    as docs/contributing.md asks of an issue that changes an algorithm's code, beside benchmark/readme_commands.py.
+    Then the longest files first (FILE_SECONDS), each file's tests in their own order."""
     extra = [item for item in items if item.get_closest_marker("extra_learning")]
-    if extra:
+    if extra and "extra_learning" not in (config.option.markexpr or ""):
         config.hook.pytest_deselected(items=extra)
         items[:] = [item for item in items if not item.get_closest_marker("extra_learning")]
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, float("inf")))  # stable: a file's order kept
 
 
 def pytest_runtest_setup(item):
