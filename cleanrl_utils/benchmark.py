@@ -175,6 +175,8 @@ def read_run(run_dir: Path, tag: str, since: float | None = None) -> tuple[np.nd
     """(steps, seconds since `since` (a unix time; default: the run's first event), values) of one scalar."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not Path(run_dir).is_dir():  # a results file's run folder that is gone (another machine's, or removed)
+        fail(f"{run_dir}: no such run folder (run from the folder the runs were made in)")
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
     if tag not in accumulator.Tags()["scalars"]:

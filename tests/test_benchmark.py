@@ -553,3 +553,13 @@ def test_haiku_init_gives_every_layer_haikus_truncated_normal():
     assert out.returncode == 0, out.stderr[-2000:]
     scales = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(scales) == 6 and all(0.8 < scale < 0.96 for scale in scales), scales  # all but the 2 heads
+
+
+def test_a_results_files_run_folder_that_is_gone_is_one_line(tmp_path):
+    """A table or figure from records whose run folders are on another machine (or removed): one line naming the
+    folder, not TensorBoard's DirectoryDeletedError."""
+    from cleanrl_utils.benchmark import read_run
+    from cleanrl_utils.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"gone: no such run folder"):
+        read_run(tmp_path / "gone", "charts/avg_episodic_return")
