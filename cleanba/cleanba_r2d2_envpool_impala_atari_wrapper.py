@@ -641,6 +641,14 @@ def replay_shard_specs(local_buffer, item: Rollout):
     return shard.replace(experience=experience, sum_tree_state=tree_specs, **counters)
 
 
+def typed_replay(replay):
+    """flashbax starts the largest priority as a weakly typed 1.0, which the first learning update returns as float32:
+    float32 from the start, so update_step compiles once (not a second time after its first update)."""
+    tree = replay.sum_tree_state
+    largest = jax.lax.convert_element_type(tree.max_recorded_priority, jnp.float32)
+    return replay.replace(sum_tree_state=tree.replace(max_recorded_priority=largest))
+
+
 def prioritized_step(carry, step_key, *, local_buffer, capacity: int, gradient_step: Callable):
     """One `lax.scan` step per learner device: its minibatch part, sampled by priority, learned and re-prioritized."""
     agent_state, replay = carry
@@ -672,7 +680,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
     local_gradient_step = partial(r2d2_gradient_step, agent=agent, args=args)
     step = partial(prioritized_step, local_buffer=local_buffer, capacity=capacity, gradient_step=local_gradient_step)
 
-    init_shard = lambda: local_buffer.init(item)
+    init_shard = lambda: typed_replay(local_buffer.init(item))
     init_replay = jax.jit(jax.shard_map(init_shard, mesh=mesh, in_specs=(), out_specs=replay_specs))
 
     def local_update(agent_state: AgentState, replay, storage: Rollout, key, train: bool):
