@@ -50,10 +50,11 @@ def readme_command(readme: str, script: str) -> str:
 def timed_run(command: str, flags: list[str], run_name: str, seeds: list[int]) -> dict:
     """One process: its wall time and each seed's last logged average return."""
     argv = [*shlex.split(command), *flags, "--run-name", run_name]
-    _, wall = timed_process(argv)
+    _, wall, other_load = timed_process(argv)
     folders = [Path("runs", run_name, f"seed{seed}") for seed in seeds] if len(seeds) > 1 else [Path("runs", run_name)]
     final = [float(read_run(folder, "charts/avg_episodic_return")[2][-1]) for folder in folders]
-    return {"wall_s": round(wall, 1), "seeds": seeds, "final_returns": [round(value, 4) for value in final]}
+    load = {} if other_load is None else {"other_load_cores": round(other_load, 2)}
+    return {"wall_s": round(wall, 1), **load, "seeds": seeds, "final_returns": [round(value, 4) for value in final]}
 
 
 def main(args: Args) -> int:

@@ -4,8 +4,11 @@
 
 Each command is read from README.md (each bash block line that runs a script in cleanba/ on the CPU): the first of
 each script is named after its algorithm (for PPO the quick start's), the others `{algorithm}@{env id}` (e.g.
-`ppo@MiniGrid-Empty-5x5-v0`). It runs as written plus `--seed S --exp-name readme_{name}`, one run at a time, so the
-wall times are those of a quiet machine; `--extra-flags` appends flags (a variant of the command, recorded with it).
+`ppo@MiniGrid-Empty-5x5-v0`). It runs as written plus `--seed S --exp-name readme_{name}`, one run at a time; each
+record keeps how many CPU cores other processes kept busy during its run (`other_load_cores`), and a wall time
+measured beside more than a quarter of a core is marked in the table and is no quiet machine's time (the README's
+promised times are checked against quiet runs only); `--extra-flags` appends flags (a variant of the command,
+recorded with it).
 A seed passes when its best average return over a window of consecutive env steps (10k on CartPole, 2k on Pendulum,
 20k on HalfCheetah, ...) reaches the command's threshold (THRESHOLDS, with its source); the final average (the last
 window) is recorded too. Each run appends a JSON line to --results (with the processor and the date); each command's
@@ -31,6 +34,7 @@ from cleanrl_utils.benchmark import (
     find_runs,
     machine,
     pyplot,
+    quiet,
     read_records,
     read_run,
     readme_training_commands,
@@ -134,7 +138,7 @@ def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
     env = dict(os.environ)
     if max_isa:  # the scripts append their device count to XLA_FLAGS, keeping this
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={max_isa}".strip()
-    process, wall = timed_process(argv, env)
+    process, wall, other_load = timed_process(argv, env)
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
     steps, _, values = read_run(run_dir, TAG)
@@ -146,6 +150,7 @@ def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
         **({"xla_cpu_max_isa": max_isa} if max_isa else {}),
         "date": datetime.date.today().isoformat(),
         "wall_s": round(wall, 1),
+        **({} if other_load is None else {"other_load_cores": round(other_load, 2)}),
         "last": last_update,
         "run_dir": str(run_dir),
         "curve": [[int(step), float(value)] for step, value in zip(steps, values)],  # tables need no run folder
@@ -156,7 +161,7 @@ def run_seeds_in_one_process(name: str, command: str, seeds: list[int]) -> dict[
     """An Anakin command with `--num-seeds`: one process for all `seeds`, a record per seed (its folder's curve)."""
     run_name = f"readme_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}_{int(time.time())}"
     argv = [*shlex.split(command), "--seed", str(seeds[0]), "--num-seeds", str(len(seeds)), "--run-name", run_name]
-    process, wall = timed_process(argv)
+    process, wall, other_load = timed_process(argv)
     last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
     records = {}
     for seed in seeds:
@@ -169,6 +174,7 @@ def run_seeds_in_one_process(name: str, command: str, seeds: list[int]) -> dict[
             **machine(),
             "date": datetime.date.today().isoformat(),
             "wall_s": round(wall, 1),
+            **({} if other_load is None else {"other_load_cores": round(other_load, 2)}),
             "seeds_in_the_process": len(seeds),
             "last": last_update,
             "run_dir": str(run_dir),
@@ -213,14 +219,22 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
     for row in rows:
         reached = "never" if row["first_reached"] is None else f"step {row['first_reached']:,}"
         best, final = f"{row['best']:,.{decimals}f}", f"{row['final']:,.{decimals}f}"
-        print(f"| {row['seed']} | {best} ({row['best_from']:,}) | {final} | {reached} | {row['wall_s']:.0f} s |")
+        load = "" if quiet(row) else f" (beside {row['other_load_cores']:.1f} cores of other load)"
+        print(f"| {row['seed']} | {best} ({row['best_from']:,}) | {final} | {reached} | {row['wall_s']:.0f} s{load} |")
     passed = sum(row["passed"] for row in rows)
-    walls = [row["wall_s"] for row in rows]
+    quiet_walls = [row["wall_s"] for row in rows if quiet(row)]
+    walls = quiet_walls or [row["wall_s"] for row in rows]
+    if len(quiet_walls) == len(rows):
+        load = ""
+    else:
+        load = " (of the quiet runs; the others beside other load)" if quiet_walls else " (every run beside other load)"
     worst = min(rows, key=lambda row: row["best"])
     where = {(row.get("processor", "?"), row.get("date", "?")) for row in rows}
     print(
         f"\n{passed} of {len(rows)} seeds reach {threshold:g}, the worst seed's best window "
-        f"{worst['best']:,.{decimals}f} (seed {worst['seed']}); wall time {min(walls):.0f}-{max(walls):.0f} s, "
+        f"{worst['best']:,.{decimals}f} (seed {worst['seed']}); wall time {min(walls):.0f}-{max(walls):.0f} s"
+        + load
+        + ", "
         + ("all seeds in one process" if "seeds_in_the_process" in rows[0] else "one run at a time")
         + ", on "
         + "; ".join(f"{cpu} ({date})" for cpu, date in sorted(where))

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -28,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 
@@ -109,16 +110,51 @@ def read_records(path, flag: str, keys: tuple[str, ...] = ()) -> list[dict]:
     return records
 
 
-def timed_process(argv: list[str], env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """A run a tool starts, printed first, its output captured: (the process, its wall seconds); a RunError (exit
-    1) with its stderr's end if it failed."""
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has used since boot (/proc/stat: all but idle and I/O wait), or None
+    where there is no /proc/stat."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this process's ended children and their descendants (what the runs a tool starts used)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class TimedRun(NamedTuple):
+    process: subprocess.CompletedProcess
+    wall: float  # seconds, start to exit
+    other_load: float | None  # the CPU cores other processes kept busy meanwhile, on average (None: not measurable)
+
+
+def timed_process(argv: list[str], env: dict | None = None) -> TimedRun:
+    """A run a tool starts, printed first, its output captured, timed, and how busy the rest of the machine kept the
+    CPU meanwhile (a wall time measured beside other load is not a quiet machine's); a RunError (exit 1) with its
+    stderr's end if it failed."""
     print(f"running: {shlex.join(argv)}", flush=True)
-    start = time.time()
+    busy_before, ours_before, start = busy_cpu_seconds(), children_cpu_seconds(), time.time()
     process = subprocess.run(argv, capture_output=True, text=True, env=env)
-    wall = time.time() - start
+    wall, busy_after = time.time() - start, busy_cpu_seconds()
     if process.returncode != 0:
         raise RunError(f"{shlex.join(argv)} exited with {process.returncode}: {process.stderr[-2000:]}")
-    return process, wall
+    ours = children_cpu_seconds() - ours_before
+    other = None if busy_before is None else max(0.0, (busy_after - busy_before - ours) / wall)
+    return TimedRun(process, wall, other)
+
+
+QUIET_LOAD_CORES = 0.25
+
+
+def quiet(record: dict) -> bool:
+    """Whether a benchmark record's wall time is a quiet machine's: other processes kept at most a quarter of a core
+    busy during its run (records from before this was measured count as quiet: their tools ran one run at a time)."""
+    return record.get("other_load_cores") is None or record["other_load_cores"] <= QUIET_LOAD_CORES
 
 
 def python_script(path, flag: str) -> Path:

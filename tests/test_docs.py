@@ -11,6 +11,8 @@ import statistics
 from conftest import REPO
 from markdown.extensions.toc import slugify
 
+from cleanrl_utils.benchmark import quiet
+
 CODE = [*REPO.glob("cleanba/*.py"), *REPO.glob("cleanrl_utils/**/*.py"), *REPO.glob("benchmark/*.py")]
 README = REPO / "README.md"
 POINTER = re.compile(r"\b(README\.md|docs/[\w./-]+\.md)(?:#([\w-]+))?")
@@ -149,13 +151,15 @@ def run_key(command: str) -> tuple[str, frozenset] | None:
 
 
 def recorded_wall_times() -> dict[tuple[str, frozenset], list[float]]:
-    """The wall times benchmark/readme_commands.py (and learning_runs.py) recorded for each command, oldest first."""
+    """The quiet wall times benchmark/readme_commands.py (and learning_runs.py) recorded for each command, oldest
+    first."""
     times = {}
     for results in sorted((REPO / "benchmark" / "results").glob("*.jsonl")):
         for line in results.read_text().splitlines():
             record = json.loads(line)
             key = run_key(record.get("command", ""))
-            if key is not None and "wall_s" in record and "seeds_in_the_process" not in record:  # one seed a run
+            # one seed a run, on a quiet machine (cleanrl_utils/benchmark.py's `quiet`)
+            if key is not None and "wall_s" in record and "seeds_in_the_process" not in record and quiet(record):
                 times.setdefault(key, []).append(record["wall_s"])
     return times
 
