@@ -42,7 +42,7 @@ from cleanrl_utils.cli import run_cli
 from cleanrl_utils.devices import DeviceLayout, local_value, replicate, seed_slice, stack_seeds
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import AnakinArgs, check_flags, check_int32_counts, check_run_flags
-from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env
+from cleanrl_utils.jax_envs import JaxVectorEnvs, check_env_id, make_jax_env, strongly_typed
 from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.normalization import (
     RunningMeanStd,
@@ -519,7 +519,8 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
         agent_state, key, metrics = learn(batch, agent_state, key)
         metrics = dict(zip(names, jax.tree.map(jnp.mean, metrics)))
         metrics["charts/learning_rate"] = agent_state.opt_state[1].hyperparams["learning_rate"]
-        return LearnerState(agent_state, key, envs), metrics
+        # strongly typed, as a fresh state (stack_seeds) and a restored one: fresh or resumed, one program
+        return strongly_typed(LearnerState(agent_state, key, envs)), metrics
 
     # check_vma=False: the adapters' env steps have `lax.cond`s with a constant branch, which shard_map's
     # replication checks refuse for per-device data; so the gradient is each device's own and the psum above sums it

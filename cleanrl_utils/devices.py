@@ -137,7 +137,9 @@ def stack_seeds(init: Callable[[int], object], seeds: list[int], mesh):
     seed axis and laid out as the seeds' leaves were along the others (an Anakin script's --num-seeds: its update is a
     `vmap` over that axis). The first seed's state is made first: if the seeds' states and their stack cannot fit the
     devices' free memory, one line names --num-seeds (cleanrl_utils/memory.py) before the others are made. The first
-    tree gives the structure (a TrainState's optimizer is a function of each seed's own)."""
+    tree gives the structure (a TrainState's optimizer is a function of each seed's own). Every leaf is strongly typed,
+    as an update returns it and a checkpoint restores it: a weakly typed one (a step count from a Python 0) would make
+    the resumed run's update another program, compiled anew."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
@@ -151,7 +153,8 @@ def stack_seeds(init: Callable[[int], object], seeds: list[int], mesh):
     trees = [first, *(init(seed) for seed in seeds[1:])]
     leaves, treedef = jax.tree.flatten(first)
     shardings = [NamedSharding(mesh, PartitionSpec(None, *leaf.sharding.spec)) for leaf in leaves]
-    stack = jax.jit(lambda *seeds: [jnp.stack(leaf) for leaf in zip(*seeds)], out_shardings=shardings)
+    strong = lambda x: jax.lax.convert_element_type(x, x.dtype)
+    stack = jax.jit(lambda *seeds: [strong(jnp.stack(leaf)) for leaf in zip(*seeds)], out_shardings=shardings)
     return jax.tree.unflatten(treedef, stack(*(jax.tree.leaves(tree) for tree in trees)))
 
 
