@@ -642,11 +642,9 @@ def replay_shard_specs(local_buffer, item: Rollout):
 
 
 def typed_replay(replay):
-    """flashbax starts the largest priority as a weakly typed 1.0, which the first learning update returns as float32:
-    float32 from the start, so update_step compiles once (not a second time after its first update)."""
-    tree = replay.sum_tree_state
-    largest = jax.lax.convert_element_type(tree.max_recorded_priority, jnp.float32)
-    return replay.replace(sum_tree_state=tree.replace(max_recorded_priority=largest))
+    """The largest priority float32 from the start: flashbax's weakly typed 1.0 made update_step compile twice."""
+    largest = jax.lax.convert_element_type(replay.sum_tree_state.max_recorded_priority, jnp.float32)
+    return replay.replace(sum_tree_state=replay.sum_tree_state.replace(max_recorded_priority=largest))
 
 
 def prioritized_step(carry, step_key, *, local_buffer, capacity: int, gradient_step: Callable):
