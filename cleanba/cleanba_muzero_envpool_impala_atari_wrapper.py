@@ -57,6 +57,7 @@ from cleanrl_utils.devices import DeviceLayout, local_value, replicate
 from cleanrl_utils.envs import check_env_id, env_spaces, make_envpool, obs_layout
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import SebulbaArgs, check_flags, check_int32_counts, check_run_flags
+from cleanrl_utils.jax_envs import strongly_typed
 from cleanrl_utils.logger import EpisodeStats, StageTimer
 from cleanrl_utils.memory import checked_for_memory
 from cleanrl_utils.replay_sizing import (
@@ -354,7 +355,8 @@ def make_agent(args: Args, key: jax.Array) -> tuple[MuZeroNet, TrainState]:
     )
     params = agent.init(key, np.zeros((1, *obs_space.shape), obs_space.dtype), np.zeros(1, np.int32))
     tx = optax.adamw(args.learning_rate, weight_decay=args.weight_decay)
-    return agent, TrainState.create(apply_fn=None, params=params, tx=tx)
+    # the step an int32 array, as a checkpoint restores it (not a Python 0): fresh or resumed, one update program
+    return agent, TrainState.create(apply_fn=None, params=params, tx=tx).replace(step=jnp.int32(0))
 
 
 # ---------------------------------------------------------------- math
@@ -669,7 +671,7 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         init = make_replay_buffer(args, num_devices, global_envs, local=False).init
-        return jax.jit(init, out_shardings=shardings)(replay_item(args))
+        return jax.jit(lambda item: strongly_typed(init(item)), out_shardings=shardings)(replay_item(args))
 
     def local_update(agent_state: TrainState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
@@ -800,8 +802,10 @@ def main(args: Args) -> int:
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
     state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
     state, actor_threads = run.start(state, state_summary)
-    if run.start_update:  # the actors start new episodes: the newest stored rows end theirs
-        state = state._replace(replay=end_stored_episodes(state.replay))
+    if run.start_update:  # the actors start new episodes: the newest stored rows end theirs; in the replay's layout,
+        # so that the update is the fresh run's program (from the compilation cache, not compiled anew)
+        layout = jax.tree.map(lambda x: x.sharding, state.replay)
+        state = state._replace(replay=jax.jit(end_stored_episodes, out_shardings=layout)(state.replay))
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]
