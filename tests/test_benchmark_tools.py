@@ -254,14 +254,13 @@ def run_in_a_process(words: list[str]) -> tuple[int, str]:
 
 def run_in_this_process(words: list[str], monkeypatch, capfd) -> tuple[int, str]:
     """What `python benchmark/TOOL ...` runs, in this process: the tool's file as `__main__` with the same argv,
-    working directory, `sys.path[0]` and environment (the tests' XLA_FLAGS left out, as in script_env); the
-    environment and sys.path are restored after."""
+    working directory, `sys.path[0]` and environment (script_env's, but the tests' XLA_FLAGS kept: a tool that starts
+    JAX here starts it for the tests after it too); the environment and sys.path are restored after."""
     path = REPO / "benchmark" / words[0]
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "argv", [str(path), *words[1:]])
     monkeypatch.setattr(sys, "path", [str(path.parent), *sys.path])
     environ = dict(os.environ)
-    os.environ.pop("XLA_FLAGS", None)
     os.environ.update(WANDB_MODE="offline", PY=sys.executable)
     capfd.readouterr()
     try:
