@@ -286,6 +286,13 @@ def make_envpool(
     return FlatObsEnvs(envs) if isinstance(envs.observation_space, gymnasium.spaces.Dict) else envs
 
 
+def random_actions(space: gymnasium.Space, rng: np.random.Generator, num_envs: int) -> np.ndarray:
+    """Uniformly random actions of `space` for `num_envs` envs (Discrete: each action; Box: within the bounds)."""
+    if hasattr(space, "n"):
+        return rng.integers(space.n, size=num_envs)
+    return rng.uniform(space.low, space.high, size=(num_envs, *space.shape))
+
+
 def out_of_phase_steps(
     env_id: str, stagger: str, *, episode_steps: int, first_env: int, num_envs: int, global_num_envs: int
 ) -> np.ndarray:
@@ -319,11 +326,7 @@ def reset_out_of_phase(envs, args, *, first_env: int, seed: int) -> tuple[np.nda
     remaining = warm_up_steps.copy()
     while remaining.any():
         env_ids = np.flatnonzero(remaining).astype(np.int32)
-        actions = (
-            rng.integers(space.n, size=len(env_ids))
-            if hasattr(space, "n")
-            else rng.uniform(space.low, space.high, size=(len(env_ids), *space.shape)).astype(space.dtype)
-        )
+        actions = random_actions(space, rng, len(env_ids))
         step_obs, _, terminated, truncated, info = envs.step(actions, env_ids)
         stepped = info["env_id"]  # the order envpool answers in
         obs[stepped] = step_obs
@@ -343,11 +346,7 @@ def random_policy_return(env_id: str, episodes: int, seed: int = 123, overrides:
         envs.reset()
         space, returns, episode_return = envs.action_space, [[] for _ in range(8)], np.zeros(8)
         while min(len(r) for r in returns) < per_env:
-            actions = (
-                rng.integers(space.n, size=8)
-                if hasattr(space, "n")
-                else rng.uniform(space.low, space.high, size=(8, *space.shape))
-            )
+            actions = random_actions(space, rng, 8)
             _, reward, terminated, truncated, _ = envs.step(actions)
             episode_return += reward
             for i in np.flatnonzero(terminated | truncated):
