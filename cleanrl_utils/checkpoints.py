@@ -28,9 +28,11 @@ def tree_digest(tree) -> str:
     """sha256 of the leaves of a tree as whole arrays, the same however they are laid out over devices and processes
     (and whatever sharding spec describes the layout): equal digests, equal states, on any layout. Each leaf is hashed
     slice by slice along its first axis of more than one element (a replay's env or item axis, the axis a sharded
-    leaf must be split along), where each slice lives; a process that lacks slices (a sharded leaf) gathers their
-    32-byte hashes from the others, not the data. With several processes every process must call it at the same
-    point (it is a collective), as `Checkpoints` and the scripts' final lines do."""
+    leaf is usually split along), where each slice lives; a process that lacks slices (a sharded leaf) gathers their
+    32-byte hashes from the others, not the data. A leaf split along a later axis (an Anakin run's envs with
+    --num-seeds: the seed axis first, the envs split over the devices) is gathered whole first. With several
+    processes every process must call it at the same point (it is a collective), as `Checkpoints` and the scripts'
+    final lines do."""
     import jax
 
     leaves = jax.tree.leaves(_keys_to_data(tree))  # a typed PRNG key: its data
@@ -43,12 +45,14 @@ def _leaf_digest(x) -> bytes:
     if axis is None:  # one element, or none
         data = x.addressable_shards[0].data if hasattr(x, "addressable_shards") else x
         return hashlib.sha256(np.asarray(data).tobytes()).digest()
+    if _split_along_another_axis(x, axis):  # each slice's bytes in one place: the whole leaf, in every process
+        from jax.experimental import multihost_utils
+
+        x = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
     slice_digests, held = np.zeros((shape[axis], 32), np.uint8), np.zeros(shape[axis], bool)
     shards = x.addressable_shards if hasattr(x, "addressable_shards") else [None]
     for shard in shards:
         data = np.asarray(x if shard is None else shard.data)
-        if any(data.shape[other] != shape[other] for other in range(len(shape)) if other != axis):
-            raise ValueError(f"tree_digest: a leaf of shape {shape} split along another axis than {axis}")
         start = 0 if shard is None else shard.index[axis].start or 0
         for i, piece in enumerate(np.moveaxis(data, axis, 0)):
             slice_digests[start + i] = np.frombuffer(
@@ -63,6 +67,20 @@ def _leaf_digest(x) -> bytes:
         slice_digests, held = all_digests[all_held.argmax(0), np.arange(shape[axis])], all_held.any(0)
     assert held.all(), "every slice is held by some device"
     return hashlib.sha256(slice_digests.tobytes()).digest()
+
+
+def _split_along_another_axis(x, axis: int) -> bool:
+    """Whether some device holds part of a slice of `x` along `axis`: read off the sharding, which every process
+    knows whole, so that every process takes the same path through `_leaf_digest`'s collective."""
+    if not hasattr(x, "sharding"):
+        return False
+    shape = np.shape(x)
+    return any(
+        (index.start or 0, shape[other] if index.stop is None else index.stop) != (0, shape[other])
+        for indices in x.sharding.devices_indices_map(shape).values()
+        for other, index in enumerate(indices)
+        if other != axis
+    )
 
 
 def os_error_in(error: BaseException) -> OSError | None:
@@ -167,6 +185,24 @@ def check_shapes(meta: dict, leaves: list, path: str):
     )
 
 
+def check_flags_of(meta: dict, path: str, *, update: int, batch_size: int, flags: dict):
+    """Checkpoint `update` made with this run's steps per update (`batch_size`) and the `flags` that shape its
+    computation, or a CheckpointError naming the flag."""
+    if meta["global_step"] != update * batch_size:
+        raise CheckpointError(
+            f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per "
+            f"update, this run has {batch_size} (--local-num-envs x --num-steps x the env copies per "
+            "process, Sebulba's actor threads or Anakin's learner devices, x processes); use the checkpoint's "
+            "values or another --run-name"
+        )
+    for name, value in flags.items():
+        if meta["args"].get(name) != value:
+            raise CheckpointError(
+                f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run "
+                f"has {value}; use the checkpoint's value or another --run-name"
+            )
+
+
 class Checkpoints:
     def __init__(self, directory: str, *, keep: int, world_size: int):
         """The checkpoints in `directory` (as the user knows it: the messages name it), the newest `keep` kept."""
@@ -252,19 +288,7 @@ class Checkpoints:
         try:
             with stderr_held():  # absl's log of a damaged metadata file, orbax's threads' tracebacks
                 meta = self.manager.restore(update, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-            if meta["global_step"] != update * batch_size:
-                raise CheckpointError(
-                    f"--resume: checkpoint {path} was made with {meta['global_step'] // max(update, 1)} steps per "
-                    f"update, this run has {batch_size} (--local-num-envs x --num-steps x the env copies per "
-                    "process, Sebulba's actor threads or Anakin's learner devices, x processes); use the checkpoint's "
-                    "values or another --run-name"
-                )
-            for name, value in flags.items():
-                if meta["args"].get(name) != value:
-                    raise CheckpointError(
-                        f"--resume: checkpoint {path} was made with {flag(name)} {meta['args'].get(name)}, this run "
-                        f"has {value}; use the checkpoint's value or another --run-name"
-                    )
+            check_flags_of(meta, path, update=update, batch_size=batch_size, flags=flags)
             # keys as their data: on the mesh where they live on it (a replicated key restores into this run's
             # layout, also from a checkpoint that other processes wrote), else on the host (a key on no mesh is not
             # committed to a device: jit places it)

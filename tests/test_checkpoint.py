@@ -165,9 +165,11 @@ def sharded(values, num_devices: int, spec=("batch",)):
 
 def test_digest_is_of_the_whole_array_on_any_layout():
     rows = np.arange(48, dtype=np.float32).reshape(4, 3, 4)
-    # the env axis of a replay: first (SAC, MuZero), or second after an axis of one (R2D2's item buffer); on one
-    # device jit may hand back P() for P("batch"): the same layout, so the same digest
-    for values, spec in [(rows, ("batch",)), (rows[None], (None, "batch"))]:
+    # the env axis of a replay: first (SAC, MuZero), or second after an axis of one (R2D2's item buffer) or after
+    # the seed axis (an Anakin run's envs with --num-seeds: its slices split over the devices); on one device jit may
+    # hand back P() for P("batch"): the same layout, so the same digest
+    seeds = np.stack([rows, -rows])
+    for values, spec in [(rows, ("batch",)), (rows[None], (None, "batch")), (seeds, (None, "batch"))]:
         digests = {tree_digest({"x": sharded(values, n, spec)}) for n in (1, 2, 4)} | {
             tree_digest(sharded(values, 1, ()))
         }
@@ -176,6 +178,8 @@ def test_digest_is_of_the_whole_array_on_any_layout():
     flipped[3, 2, 1] = np.nextafter(flipped[3, 2, 1], np.float32(100))  # in the second device's half
     assert tree_digest(sharded(flipped, 2)) != tree_digest(sharded(rows, 2))
     assert tree_digest(sharded(flipped, 1)) == tree_digest(sharded(flipped, 4)) == tree_digest(flipped)
+    flipped_seed = np.stack([rows, -flipped])  # the second seed's, in the second device's half of its envs
+    assert tree_digest(sharded(flipped_seed, 2, (None, "batch"))) != tree_digest(sharded(seeds, 2, (None, "batch")))
 
 
 def test_a_sharded_state_resumes_on_fewer_and_more_devices_and_a_flipped_bit_anywhere_is_refused(tmp_path):
