@@ -11,6 +11,7 @@ import re
 import resource
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -98,6 +99,22 @@ def episode_scalars(returns: np.ndarray, lengths: np.ndarray) -> dict:
     return {"charts/avg_episodic_return": np.nanmean(returns), "charts/avg_episodic_length": np.nanmean(lengths)}
 
 
+def seeds_episode_scalars(per_seed: list[dict]) -> dict:
+    """The run folder's episode scalars of several seeds (`episode_scalars` of each): the mean of the seeds' values,
+    each seed weighing the same however many of its envs have finished an episode, and the min and max return over
+    the seeds; the seeds that have finished no episode yet are left out (nothing before any has)."""
+    finished = [seed for seed in per_seed if seed]
+    if not finished:
+        return {}
+    seed_returns = [seed["charts/avg_episodic_return"] for seed in finished]
+    return {
+        "charts/avg_episodic_return": np.mean(seed_returns),
+        "charts/avg_episodic_length": np.mean([seed["charts/avg_episodic_length"] for seed in finished]),
+        "charts/avg_episodic_return_min": np.min(seed_returns),
+        "charts/avg_episodic_return_max": np.max(seed_returns),
+    }
+
+
 def peak_rss_mib() -> float:
     """The process's peak resident memory so far (ru_maxrss is in KiB on Linux, bytes on macOS)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
@@ -128,14 +145,15 @@ class RunLogger:
         is_main_process: bool,
         world_size: int,
         start_update: int,
-        seeds: list[int] | None = None,
+        seeds: Sequence[int] | None = None,
     ):
         """Logs into runs/{run_name} (process 0), and into W&B's `wandb_project` if given (--track); `config`: the
         run's flags and derived values, its hyperparameters table. `batch_size` env steps per update over all
         processes (`local_batch_size` in this one), `num_updates` in all. `seeds`: the seeds of an Anakin run of
         several (--num-seeds), whose scalars come with a leading seed axis: each seed is logged into
         runs/{run_name}/seed{seed} (TensorBoard shows them as runs, in the same charts), and runs/{run_name} (the
-        console, W&B) gets their mean, and the min and max over seeds of the episodic return."""
+        console, W&B) gets the mean of the seeds' values, and the min and max over seeds of the episodic return
+        (`seeds_episode_scalars`)."""
         self.batch_size, self.local_batch_size, self.num_updates = batch_size, local_batch_size, num_updates
         self.log_frequency, self.world_size, self.start_update = log_frequency, world_size, start_update
         self.track = wandb_project is not None
@@ -186,18 +204,17 @@ class RunLogger:
             "stats/peak_rss_mib": peak_rss_mib(),
             **device_peak_memory_mib(),
         }
-        if self.seeds is not None:
+        if self.seeds is None:
+            episodes = episode_scalars(returns, lengths)
+        else:
             per_seed = [episode_scalars(returns[i], lengths[i]) for i in range(len(returns))]
             for i, writer in enumerate(self.seed_writers):
                 seed_scalars = {tag: np.asarray(value)[i] for tag, value in scalars.items() if np.ndim(value) == 1}
                 writer.add_scalars({**seed_scalars, **per_seed[i]}, global_step)
-            seed_returns = [seed["charts/avg_episodic_return"] for seed in per_seed if seed]
-            if seed_returns:
-                scalars["charts/avg_episodic_return_min"] = np.min(seed_returns)
-                scalars["charts/avg_episodic_return_max"] = np.max(seed_returns)
+            episodes = seeds_episode_scalars(per_seed)
         # an Anakin run's scalars have a seed axis (of one seed without --num-seeds): their mean over the seeds
         scalars = {tag: np.mean(value) if np.ndim(value) else value for tag, value in scalars.items()}
-        scalars.update(episode_scalars(returns, lengths))
+        scalars.update(episodes)
         if self.writer is not None:
             self.writer.add_scalars(scalars, global_step)
             self.flush()  # on disk before any checkpoint of this update counts as complete
