@@ -8,7 +8,7 @@ in one 1-D mesh (axis "batch"), so the data-parallel learner spans all hosts.
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,7 +132,7 @@ def copies_for_devices(tree, devices: list) -> dict:
     return {device: jax.device_put(local, device, may_alias=False) for device in devices}
 
 
-def stack_seeds(init: Callable[[int], object], seeds: list[int], mesh):
+def stack_seeds(init: Callable[[int], object], seeds: Sequence[int], mesh):
     """The learner states `init(seed)` of several seeds (global arrays on `mesh`) as one, each leaf with a leading
     seed axis and laid out as the seeds' leaves were along the others (an Anakin script's --num-seeds: its update is a
     `vmap` over that axis). The first seed's state is made first: if the seeds' states and their stack cannot fit the

@@ -127,9 +127,11 @@ class Run:
         return state
 
     @property
-    def seeds(self) -> list[int]:
-        """The seeds of the run: --seed, and with an Anakin script's --num-seeds N the N - 1 after it."""
-        return list(range(self.args.seed, self.args.seed + getattr(self.args, "num_seeds", 1)))
+    def seeds(self) -> range:
+        """The seeds of the run: --seed, and with an Anakin script's --num-seeds N the N - 1 after it (a range, not a
+        list: a --num-seeds no host can hold reaches the memory check of their states, cleanrl_utils/devices.py's
+        `stack_seeds`, instead of a list of billions of ints)."""
+        return range(self.args.seed, self.args.seed + getattr(self.args, "num_seeds", 1))
 
     def save(self, update: int, state):
         self.checkpoints.save(
