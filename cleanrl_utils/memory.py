@@ -117,8 +117,10 @@ def own_cgroup_memory(root: str = "") -> list[tuple[int, int]]:
 
 
 def read_text(path: str) -> str | None:
+    """A file's text, None if it cannot be read. Bytes that are not UTF-8 (a mount point's name in
+    /proc/self/mountinfo may be any bytes) come back as surrogate escapes, which `open` turns back into those bytes."""
     try:
-        with open(path) as file:
+        with open(path, encoding="utf-8", errors="surrogateescape") as file:
             return file.read()
     except OSError:
         return None

@@ -165,6 +165,22 @@ def test_a_cgroup_v2_scope_and_a_container_namespace_limit_the_room(tmp_path):
     assert own_cgroup_memory(unlimited) == [] and host_available_bytes(unlimited) == 24 * GIB
 
 
+def test_mount_points_whose_names_are_not_utf8_are_read_as_their_bytes(tmp_path):
+    """Linux allows any bytes in a name, and /proc/self/mountinfo carries them as they are: a mount point that is not
+    UTF-8 (here a Latin-1 one, beside the cgroup's, and the cgroup's own) neither stops the check nor hides a limit."""
+    cgroup = b"/sys/fs/cgroup/caf\xe9"  # the cgroup hierarchy, mounted at a Latin-1 name
+    root = fake_host(tmp_path, "0::/job\n", "", {})
+    mounts = b"40 23 0:50 / /media/caf\xe9 rw - vfat /dev/sdb1 rw\n28 23 0:26 / %s rw - cgroup2 cgroup2 rw\n" % cgroup
+    (tmp_path / "proc" / "self" / "mountinfo").write_bytes(mounts)
+    job = os.fsencode(tmp_path) + cgroup + b"/job"
+    os.makedirs(job)
+    for name, value in [(b"memory.max", 3 * GIB), (b"memory.current", GIB)]:
+        with open(job + b"/" + name, "w") as file:
+            file.write(str(value))
+    assert own_cgroup_memory(root) == [(3 * GIB, GIB)]
+    assert host_available_bytes(root) == 2 * GIB
+
+
 def test_this_hosts_own_cgroups_are_found():
     """The real /proc/self/cgroup and mountinfo: the innermost memory cgroup first, up to its hierarchy's mount."""
     with open("/proc/self/cgroup") as cgroup, open("/proc/self/mountinfo") as mountinfo:
