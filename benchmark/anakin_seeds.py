@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cleanrl_utils.benchmark import fail, machine, read_run, readme_training_commands, timed_process
 from cleanrl_utils.cli import run_cli
+from cleanrl_utils.flags import MAX_SEED
 
 SCRIPTS = {
     "ppo_anakin": "cleanba/cleanba_ppo_anakin.py",
@@ -31,9 +32,9 @@ class Args:
     """the README command of this Anakin script: ppo_anakin (MiniGrid) or ppo_continuous_action_anakin
     (CartpoleBalance)"""
     num_seeds: list[int] = field(default_factory=lambda: [1, 10])
-    """the seeds of each one-process run (each positive)"""
+    """the seeds of each one-process run (each in [1, 2**32 - 1]: seeds 1 .. N)"""
     processes: int = 10
-    """then as many one-seed processes, one after another, seeds 1.. (0: none)"""
+    """then as many one-seed processes, one after another, seeds 1 .. P (0: none)"""
     results: str = "benchmark/results/anakin_seeds.jsonl"
     """one JSON line per run is appended here"""
     readme: str = "README.md"
@@ -60,8 +61,11 @@ def timed_run(command: str, flags: list[str], run_name: str, seeds: list[int]) -
 def main(args: Args) -> int:
     if args.command not in SCRIPTS:
         fail(f"--command must be one of {list(SCRIPTS)}, got {args.command!r}")
-    if not args.num_seeds or min(args.num_seeds) < 1 or args.processes < 0:
-        fail(f"--num-seeds must be positive integers, --processes 0 or more: got {args.num_seeds}, {args.processes}")
+    # the runs' seeds are 1 .. N (and 1 .. P): within the scripts' seed range, as their --num-seeds check asks
+    if not args.num_seeds or not all(1 <= n <= MAX_SEED for n in args.num_seeds):
+        fail(f"--num-seeds must be integers in [1, {MAX_SEED}] (the runs' seeds are 1 .. N), got {args.num_seeds}")
+    if not 0 <= args.processes <= MAX_SEED:
+        fail(f"--processes must be in [0, {MAX_SEED}] (their seeds are 1 .. P), got {args.processes}")
     command = readme_command(args.readme, SCRIPTS[args.command])
     stamp = int(time.time())
     runs = [

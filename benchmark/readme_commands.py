@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from cleanrl_utils.benchmark import (
+    TimedRun,
     fail,
     find_runs,
     machine,
@@ -42,6 +43,7 @@ from cleanrl_utils.benchmark import (
     timed_process,
 )
 from cleanrl_utils.cli import run_cli
+from cleanrl_utils.flags import MAX_SEED
 
 plt = pyplot()
 
@@ -132,15 +134,19 @@ def env_id_of(command: str) -> str:
     return shlex.split(command)[shlex.split(command).index("--env-id") + 1]
 
 
-def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
-    exp_name = "readme_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
-    argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
+def isa_environment(max_isa: str) -> dict | None:
+    """The runs' environment: this one, with XLA's CPU code limited to `max_isa` where given (the scripts append their
+    device count to XLA_FLAGS, keeping this)."""
+    if not max_isa:
+        return None
     env = dict(os.environ)
-    if max_isa:  # the scripts append their device count to XLA_FLAGS, keeping this
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={max_isa}".strip()
-    process, wall, other_load = timed_process(argv, env)
-    last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
-    run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_cpu_max_isa={max_isa}".strip()
+    return env
+
+
+def seed_record(name: str, command: str, seed: int, *, run: TimedRun, run_dir: Path, max_isa: str) -> dict:
+    """A seed's JSON line: the command, the machine and its instruction set, the wall time (and how busy other
+    processes kept the CPU), the console's last update line and the seed's curve."""
     steps, _, values = read_run(run_dir, TAG)
     return {
         "algorithm": name,
@@ -149,37 +155,32 @@ def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
         **machine(),
         **({"xla_cpu_max_isa": max_isa} if max_isa else {}),
         "date": datetime.date.today().isoformat(),
-        "wall_s": round(wall, 1),
-        **({} if other_load is None else {"other_load_cores": round(other_load, 2)}),
-        "last": last_update,
+        "wall_s": round(run.wall, 1),
+        **({} if run.other_load is None else {"other_load_cores": round(run.other_load, 2)}),
+        "last": [line for line in run.process.stdout.splitlines() if line.startswith("update=")][-1],
         "run_dir": str(run_dir),
         "curve": [[int(step), float(value)] for step, value in zip(steps, values)],  # tables need no run folder
     }
 
 
-def run_seeds_in_one_process(name: str, command: str, seeds: list[int]) -> dict[int, dict]:
+def run_seed(name: str, command: str, seed: int, max_isa: str = "") -> dict:
+    exp_name = "readme_" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    argv = [*shlex.split(command), "--seed", str(seed), "--exp-name", exp_name]
+    run = timed_process(argv, isa_environment(max_isa))
+    run_dir = find_runs("runs", env_id_of(command), exp_name)[seed]  # the newest run of this seed: this one
+    return seed_record(name, command, seed, run=run, run_dir=run_dir, max_isa=max_isa)
+
+
+def run_seeds_in_one_process(name: str, command: str, seeds: list[int], max_isa: str = "") -> dict[int, dict]:
     """An Anakin command with `--num-seeds`: one process for all `seeds`, a record per seed (its folder's curve)."""
     run_name = f"readme_{re.sub(r'[^A-Za-z0-9._-]', '_', name)}_{int(time.time())}"
     argv = [*shlex.split(command), "--seed", str(seeds[0]), "--num-seeds", str(len(seeds)), "--run-name", run_name]
-    process, wall, other_load = timed_process(argv)
-    last_update = [line for line in process.stdout.splitlines() if line.startswith("update=")][-1]
+    run = timed_process(argv, isa_environment(max_isa))
     records = {}
     for seed in seeds:
         run_dir = Path("runs", run_name, f"seed{seed}") if len(seeds) > 1 else Path("runs", run_name)
-        steps, _, values = read_run(run_dir, TAG)
-        records[seed] = {
-            "algorithm": name,
-            "seed": seed,
-            "command": command,
-            **machine(),
-            "date": datetime.date.today().isoformat(),
-            "wall_s": round(wall, 1),
-            **({} if other_load is None else {"other_load_cores": round(other_load, 2)}),
-            "seeds_in_the_process": len(seeds),
-            "last": last_update,
-            "run_dir": str(run_dir),
-            "curve": [[int(step), float(value)] for step, value in zip(steps, values)],
-        }
+        record = seed_record(name, command, seed, run=run, run_dir=run_dir, max_isa=max_isa)
+        records[seed] = {**record, "seeds_in_the_process": len(seeds)}
     return records
 
 
@@ -261,6 +262,8 @@ def main(args: Args):
     unknown = sorted(a for a in args.algorithms if a.split("@")[0] not in SCRIPTS)
     if unknown:
         fail(f"--algorithms: unknown {unknown}; expected any of {list(SCRIPTS)} (or ALGORITHM@ENV_ID)")
+    if not args.seeds or not all(0 <= seed <= MAX_SEED for seed in args.seeds):
+        fail(f"--seeds must be one or more seeds in [0, {MAX_SEED}], got {args.seeds}")
     if args.one_process:
         sebulba = [name for name in args.algorithms if not name.split("@")[0].endswith("anakin")]
         if sebulba:
@@ -285,7 +288,7 @@ def main(args: Args):
                 if record["algorithm"] == algorithm and record["seed"] in args.seeds and record["command"] == command:
                     records[record["seed"]] = record  # the newest line of a seed counts
         elif args.one_process:
-            records = run_seeds_in_one_process(algorithm, command, args.seeds)
+            records = run_seeds_in_one_process(algorithm, command, args.seeds, args.xla_cpu_max_isa)
             with open(args.results, "a") as results:
                 results.writelines(json.dumps(record) + "\n" for record in records.values())
         else:

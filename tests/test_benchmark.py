@@ -301,22 +301,39 @@ def test_the_best_window_can_hold_the_last_logged_value():
     assert (best, final, best_from) == (18.0, 18.0, 16_000)
 
 
-def test_readme_commands_max_isa_is_added_to_the_runs_xla_flags(monkeypatch):
+@pytest.mark.parametrize("one_process", [False, True])
+def test_readme_commands_max_isa_reaches_the_runs_xla_flags_and_their_records(monkeypatch, tmp_path, one_process):
     """--xla-cpu-max-isa reaches the script's XLA_FLAGS beside flags already set (the scripts append their device
-    count to it, keeping both)."""
+    count to it, keeping both), one seed a run or all in one process (--one-process), and every record says so: no
+    record is named `+isa_AVX2` without having run with it."""
     sys.path.insert(0, str(REPO / "benchmark"))
     import readme_commands
 
-    class Started(Exception):
-        pass
+    environments = []
 
-    def started(argv, env=None):
-        raise Started(env["XLA_FLAGS"])
+    def timed_process(argv, env=None):
+        environments.append(env)
+        stdout = "update=1/1 global_step=1 avg_episodic_return=0.50\n"
+        return readme_commands.TimedRun(subprocess.CompletedProcess(argv, 0, stdout, ""), 1.0, 0.0)
 
-    monkeypatch.setattr(readme_commands, "timed_process", started)
+    monkeypatch.setattr(readme_commands, "timed_process", timed_process)
+    monkeypatch.setattr(readme_commands, "find_runs", lambda *_: {seed: tmp_path for seed in (1, 2)})
+    monkeypatch.setattr(readme_commands, "read_run", lambda *_: (np.array([1]), None, np.array([0.5])))
+    monkeypatch.setattr(readme_commands, "draw", lambda *_: None)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
-    with pytest.raises(Started, match="^--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2$"):
-        readme_commands.run_seed("impala", "uv run python cleanba/x.py --env-id CartPole-v1", 1, "AVX2")
+    results = tmp_path / "records.jsonl"
+    args = readme_commands.Args(
+        algorithms=["ppo_anakin"], seeds=[1, 2], results=str(results), xla_cpu_max_isa="AVX2", one_process=one_process
+    )
+    readme_commands.main(args)
+    assert [env["XLA_FLAGS"] for env in environments] == ["--xla_cpu_enable_fast_math=false --xla_cpu_max_isa=AVX2"] * (
+        1 if one_process else 2
+    )
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    suffix = "+isa_AVX2+one_process" if one_process else "+isa_AVX2"
+    assert [(r["algorithm"], r["seed"], r["xla_cpu_max_isa"]) for r in records] == [
+        (f"ppo_anakin{suffix}", seed, "AVX2") for seed in (1, 2)
+    ]
 
 
 def test_readme_commands_table_of_a_record_without_curve_or_run_folder_is_one_line(workdir):

@@ -40,6 +40,8 @@ CASES = {
     "anakin_seeds unknown flag": ("anakin_seeds.py --no-such-flag", "--no-such-flag"),
     "anakin_seeds unknown command": ("anakin_seeds.py --command ppo", "--command"),
     "anakin_seeds zero seeds": ("anakin_seeds.py --num-seeds 0", "--num-seeds"),
+    "anakin_seeds seeds past the seed range": ("anakin_seeds.py --num-seeds 5000000000", "--num-seeds"),
+    "anakin_seeds processes past the seed range": ("anakin_seeds.py --processes 5000000000", "--processes"),
     "anakin_seeds missing readme": ("anakin_seeds.py --readme {missing}", "--readme"),
     # benchmark/env_ceiling.py
     "env_ceiling unknown flag": ("env_ceiling.py --no-such-flag", "--no-such-flag"),
@@ -124,6 +126,11 @@ CASES = {
     # benchmark/readme_commands.py
     "readme_commands unknown flag": ("readme_commands.py --no-such-flag", "--no-such-flag"),
     "readme_commands one process of sebulba": ("readme_commands.py --one-process --algorithms ppo", "--one-process"),
+    "readme_commands one process of no seeds": (
+        "readme_commands.py --one-process --algorithms ppo_anakin --seeds",
+        "--seeds",
+    ),
+    "readme_commands negative seed": ("readme_commands.py --algorithms ppo --seeds -1", "--seeds"),
     "readme_commands one process of gaps": (
         "readme_commands.py --one-process --algorithms ppo_anakin --seeds 1 3",
         "--one-process",
