@@ -414,12 +414,13 @@ def test_bad_input_is_one_line_with_exit_code_2(workdir):
     assert run.returncode == 2, run.stderr[-2000:]
     assert run.stderr.strip().count("\n") == 0, run.stderr[-2000:]
     assert run.stderr.startswith("error: --env-id must be one of MiniGrid-"), run.stderr[-2000:]
-    # more seeds than the host's memory holds: one line before the second seed's state is made (not the OOM killer)
-    flags = ["--env-id", "MiniGrid-Empty-5x5", "--num-seeds", "100000", "--local-num-envs", "1024"]
+    # more seeds than any host's memory holds (and than a list of their numbers would): one line before the second
+    # seed's state is made (not a MemoryError, nor the OOM killer)
+    flags = ["--env-id", "MiniGrid-Empty-5x5", "--num-seeds", "3000000000"]
     run = run_script([*flags, "--total-timesteps", "100000000"], workdir, script=ANAKIN_SCRIPT, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     assert re.fullmatch(
-        r"error: the learner states of 100000 seeds and their stack need [\d,.]+ GiB of memory, more than the "
+        r"error: the learner states of 3000000000 seeds and their stack need [\d,.]+ GiB of memory, more than the "
         r"[\d,.]+ GiB this host can give it \(90% of its available memory\): lower --num-seeds\n",
         run.stderr,
     ), run.stderr[-2000:]
