@@ -76,7 +76,7 @@ PY=${PY:-uv run --extra cuda12 python}
 export UV_PROJECT=${UV_PROJECT:-$repo}  # the default PY's uv finds the project from any folder
 CURVE_SECONDS=${CURVE_SECONDS:-600}
 MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaquest minatar-space_invaders}
-# pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
+# pgx's examples/minatar-ppo settings (docs/studies/minatar_pgx.md)
 PGX_PPO="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \
   --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"
 SECTIONS="ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream ceiling-sweep breakout10m learner sync"
