@@ -1,6 +1,6 @@
 """mkdocs hooks. The site's pages are the README (the home page: docs/index.md is a link to it), docs/**/*.md, and
-the notes benchmark/results/notes_*.md (pages outside the nav, at their repository paths: what each page's runs were
-measured beside, and when).
+the notes benchmark/results/notes_*.md and benchmark/DEVICE_RUNBOOK.md (pages outside the nav, at their repository
+paths: what each page's runs were measured beside, and when; the GPU steps still to run).
 
 Every link is written as it works on the repository, relative to the file it is in: the README's from the repository
 root (docs/usage.md, benchmark/results/notes_ppo.md), a page's from its folder (../benchmark/results/notes_usage.md
@@ -14,6 +14,7 @@ from pathlib import Path
 from mkdocs.structure.files import File, InclusionLevel
 
 NOTES = "benchmark/results"
+RUNBOOK = "benchmark/DEVICE_RUNBOOK.md"
 LINK = re.compile(r"\]\(([^)\s#]*)(#[^)\s]*)?\)")
 
 
@@ -22,6 +23,7 @@ def on_files(files, config, **kwargs):
     for note in sorted((repository / NOTES).glob("notes_*.md")):
         inclusion = InclusionLevel.NOT_IN_NAV
         files.append(File.generated(config, f"{NOTES}/{note.name}", abs_src_path=str(note), inclusion=inclusion))
+    files.append(File.generated(config, RUNBOOK, abs_src_path=str(repository / RUNBOOK), inclusion=inclusion))
     return files
 
 
@@ -29,7 +31,7 @@ def repository_path(src_uri: str) -> str:
     """Where a site page's source lies in the repository."""
     if src_uri == "index.md":
         return "README.md"
-    return src_uri if src_uri.startswith(f"{NOTES}/") else f"docs/{src_uri}"
+    return src_uri if src_uri.startswith("benchmark/") else f"docs/{src_uri}"
 
 
 def site_path(path: str) -> str | None:
@@ -38,7 +40,7 @@ def site_path(path: str) -> str | None:
         return "index.md"
     if path.startswith("docs/"):
         return path.removeprefix("docs/")
-    return path if path.startswith(f"{NOTES}/notes_") else None
+    return path if path.startswith(f"{NOTES}/notes_") or path == RUNBOOK else None
 
 
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
