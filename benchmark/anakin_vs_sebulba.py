@@ -16,7 +16,7 @@
 
 One run at a time, so the numbers are a quiet machine's. On a CPU the ratios are the claim, not the absolute SPS
 (the two host devices share the same cores). Every run appends a JSON line to --results; the tables are printed
-(Markdown, for docs/rl-algorithms/ppo_anakin.md) and the figure is written to static/anakin_vs_sebulba.png.
+(Markdown, for docs/studies/anakin_vs_sebulba.md) and the figure is written to static/anakin_vs_sebulba.png.
 `--table-only` prints and draws from --results.
 """
 

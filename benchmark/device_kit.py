@@ -1,6 +1,6 @@
 """The device kit: the wheels a lent GPU machine's image lacks, so that benchmark/gpu.sh runs there without network.
 
-A lent GPU machine (docs/performance.md#the-gpu-sections-still-to-run-in-order) has Python 3.12 and an image with JAX
+A lent GPU machine (benchmark/DEVICE_RUNBOOK.md) has Python 3.12 and an image with JAX
 0.11.2 (CUDA 13), flax, optax, chex, orbax-checkpoint, TensorBoard, NumPy and more, but not envpool, tyro, rlax and
 what they need; it has no network, and receives only the working tree and up to 8 ignored paths, 64 MiB in all. This
 tool writes into a git-ignored folder (default benchmark/device_kit) the cp312 manylinux x86-64 wheels of exactly what

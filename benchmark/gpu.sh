@@ -56,7 +56,7 @@
 # PY picks the interpreter (default: uv with the CUDA extra; on a machine without network, the device kit below).
 # SCRIPT_FLAGS: more flags for the learner, sync and breakout10m sections' runs, after theirs (the last value of a flag
 # counts: smaller sizes for a rehearsal on a CPU).
-# The device kit (benchmark/device_kit.py, docs/performance.md#the-gpu-sections-still-to-run-in-order): when PY is
+# The device kit (benchmark/device_kit.py, benchmark/DEVICE_RUNBOOK.md): when PY is
 # unset and DEVICE_KIT (default: the repository's benchmark/device_kit) holds one, its wheels are installed with
 # python3's pip (--no-index --no-deps) into a temporary folder put on PYTHONPATH with the repository, and python3
 # runs everything (a lent GPU machine: its image has JAX, flax, optax, TensorBoard; the kit the rest); its install
@@ -76,7 +76,7 @@ PY=${PY:-uv run --extra cuda12 python}
 export UV_PROJECT=${UV_PROJECT:-$repo}  # the default PY's uv finds the project from any folder
 CURVE_SECONDS=${CURVE_SECONDS:-600}
 MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaquest minatar-space_invaders}
-# pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
+# pgx's examples/minatar-ppo settings (docs/studies/minatar_pgx.md)
 PGX_PPO="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \
   --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"
 SECTIONS="ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream ceiling-sweep breakout10m learner sync"
@@ -134,7 +134,7 @@ GPU0="--actor-device-ids 0 --learner-device-ids 0"
 # on one H100, about 14,000 steps/s; CleanRL's PPO reaches 430 +- 8 at 10M steps): rl_games' recipe of few, large
 # updates (8,192 samples, 2 epochs of 1,024-sample minibatches, learning rate 8e-4, clip 0.2) with the Nature CNN, its
 # envs in 4 synchronous pools of 32 (one per actor thread) to pass the 2-pool env ceiling, each minibatch step waited
-# for so that inference runs between them (why: docs/performance.md#the-10m-runs-flags); a fixed run name and seed
+# for so that inference runs between them (why: benchmark/DEVICE_RUNBOOK.md#the-10m-runs-flags); a fixed run name and seed
 # (every part continues one run), a checkpoint every 100 updates (819k steps, about a minute at that rate) so that a
 # part killed past its grace time loses little, the console every update
 BREAKOUT10M_FLAGS=${BREAKOUT10M_FLAGS:-"--env-id Breakout-v5 $GPU0 --total-timesteps 10000000 --seed 1 \

@@ -33,7 +33,7 @@ from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, machine, read_input
 from cleanrl_utils.cli import run_cli
 
 BENCHMARK = Path(__file__).parent
-# pgx's examples/minatar-ppo settings (docs/rl-algorithms/ppo_anakin.md#minatar-through-pgx)
+# pgx's examples/minatar-ppo settings (docs/studies/minatar_pgx.md)
 PGX_PPO = (
     "--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr "
     "--learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"

@@ -7,7 +7,7 @@
 #      they are known (IMAGE below: JAX 0.11.2's CPU jaxlib, NumPy 2.5.2), none of the kit's (checked);
 #   3. benchmark/gpu.sh with that venv's python3 first on PATH and PY unset, as on the GPU machine: it installs the kit
 #      with pip --no-index --no-deps --target, prints the install time, and runs each section of
-#      docs/performance.md#the-gpu-sections-still-to-run-in-order with tiny sizes: ceiling-sweep (Breakout-v5, 1 and 2
+#      benchmark/DEVICE_RUNBOOK.md with tiny sizes: ceiling-sweep (Breakout-v5, 1 and 2
 #      pools x 4 envs, 1 s each), learner and sync (PPO and IMPALA; SCRIPT_FLAGS: 4 envs x 8 steps), breakout10m
 #      with the 10M run's flags (BREAKOUT10M_FLAGS' default: 4 actor threads, the Nature CNN, 2 epochs, ...; the
 #      envs and steps SCRIPT_FLAGS') for REHEARSAL_PART_SECONDS (90) and a second part that resumes the first's pack,

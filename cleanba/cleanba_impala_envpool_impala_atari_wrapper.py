@@ -10,9 +10,9 @@ System in one paragraph: `--num-actor-threads` threads on each of `--actor-devic
 jitted inference on their actor device. Each thread hands its rollout to the learner through its own size-1
 `rollout_queue`, already split along the env axis and placed on the learner devices (cleanrl_utils/data_path.py); the
 learner answers through a size-1 `params_queue` per thread. Because the actor skips one `params_queue.get()` (its second
-rollout), it always acts with the policy one version behind the learner (`--no-concurrency` removes the skip: lag 0, no
-overlap). The learner is data-parallel over the learner devices of every process (`jax.jit` + `shard_map` over a 1-D
-mesh, gradients summed with `psum`), so `--distributed` (jax.distributed) scales it across hosts.
+rollout), from update 2 on it acts with the policy one version behind the learner's (update 1's: the initial params,
+lag 0; `--no-concurrency`: no skip, lag 0, no overlap). The learner is data-parallel over every process's learner
+devices (`jax.jit` + `shard_map` over a 1-D mesh, gradients summed with `psum`), so `--distributed` scales it.
 """
 
 import os

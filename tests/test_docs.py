@@ -1,7 +1,8 @@
 """The code's pointers into the docs: every `README.md#anchor` / `docs/PAGE.md#anchor` named in a docstring or
 comment is a heading that exists (anchors as mkdocs makes them), and no pointer is written as prose ("README: the
 learner loop") that no test can follow; and the pages' "ends at `update=N/N global_step=M`" lines are what their
-commands' flags give."""
+commands' flags give; and the house rules of the pages: no date or load clause in a page, the README a front page
+(at most 150 lines, no test count)."""
 
 import json
 import re
@@ -199,3 +200,57 @@ def test_the_readmes_lag_sentence_is_its_tables():
         re.search(r"from update (\d+) on the\s+learner\s+trains\s+on\s+data\s+one\s+version\s+older", text).group(1)
     )
     assert lags == [0] * (first - 1) + [1] * (len(lags) - first + 1), lags
+
+
+# The house rules of the docs: a page says what was measured, where and how often; when, and beside what other load,
+# are records of the run (benchmark/results/*.jsonl and the notes benchmark/results/notes_*.md), not the manual's.
+DATE = re.compile(
+    r"\b(?:19|20)\d{2}-\d{2}-\d{2}\b"  # an ISO date
+    r"|\b(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.? \d{1,2}(?:st|nd|rd|th)?,? (?:19|20)\d{2}\b"
+    r"|\b\d{1,2} (?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec)[a-z]*\.? (?:19|20)\d{2}\b"
+    r"|\b(?:today|yesterday|this (?:session|morning|afternoon|evening|week)|last (?:night|session))\b",
+    flags=re.IGNORECASE,
+)
+LOAD = re.compile(
+    r"\b(?:other|background|heavy|some) load\b|\bunder (?:heavy |some )?load\b|\bload average\b"
+    r"|\bother (?:work|jobs|sessions)\b|\bbeside (?:other|another) (?:runs?|work|jobs?|sessions?|tests?|benchmarks?)\b"
+    r"|\bbeside (?:a|the) (?:test run|test suite|package install|benchmark run)\b"
+    r"|\b(?:quiet|busy|loaded|shared) (?:\d+-core )?(?:machine|host|cpu|cores|moment)\b|\blowest priority\b"
+    r"|\banother day\b|\bbenchmark lock\b",
+    flags=re.IGNORECASE,
+)
+
+
+def house_rule_breaks(pattern: re.Pattern, paths) -> list[str]:
+    return [
+        f"{path.relative_to(REPO)}:{number}: {match.group(0)!r} in {line.strip()[:100]!r}"
+        for path in paths
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        for match in pattern.finditer(line)
+    ]
+
+
+def test_no_page_has_a_date_or_a_load_clause():
+    """A docs page (README.md included: docs/index.md) says what was measured, where and how often; the date of a run
+    and the load beside it go to its record and the page's notes (benchmark/results/notes_*.md)."""
+    pages = sorted(REPO.glob("docs/**/*.md"))
+    assert REPO / "docs" / "index.md" in pages and len(pages) >= 20
+    breaks = house_rule_breaks(DATE, pages) + house_rule_breaks(LOAD, pages)
+    assert not breaks, "move these to the page's notes (benchmark/results/notes_*.md):\n" + "\n".join(breaks)
+
+
+# "638 tests", "656 passed", "the tests (638;", "the quick tier 519 in 3 min": a count that is stale by the next test
+TEST_COUNT = re.compile(
+    r"\b\d[\d,]*\s+(?:tests?|passed|failed|skipped|selected|deselected|errors?)\b"
+    r"|\btests?\s*\(\s*\d[\d,]*\s*[;,)]"
+    r"|\b(?:quick tier|suite|tests?)\s+(?:of\s+)?\d[\d,]*\b(?!\s*(?:s|min|minutes?|seconds?|x)\b)"
+)
+
+
+def test_the_readme_is_a_front_page_without_a_test_count():
+    """The README is the front page: at most 150 lines, and no count of the tests (it is stale by the next test
+    added; contributing.md keeps the suite's time budget and how to measure it)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines: move details to docs/"
+    counts = house_rule_breaks(TEST_COUNT, [README])
+    assert not counts, "README.md states a test count:\n" + "\n".join(counts)
