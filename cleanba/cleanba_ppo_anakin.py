@@ -118,7 +118,7 @@ class MinAtarTorso(nn.Module):
     """pgx's MinAtar PPO example's torso: a 2x2 convolution of 32 channels (SAME padding), ReLU, its average pooling,
     a ReLU layer of 64 (after the MinAtar paper's one-conv network, Young & Tian 2019, Sec. 4). The convolution is a
     Dense layer on each cell's 2x2 patch, the same function as `nn.Conv` (a test checks it): on a CPU, XLA computes
-    a convolution's weight gradient inside `lax.scan` about 19x slower (docs/rl-algorithms/ppo_anakin.md)."""
+    a convolution's weight gradient inside `lax.scan` about 19x slower (docs/studies/minatar_pgx.md)."""
 
     @nn.compact
     def __call__(self, x):
