@@ -671,7 +671,8 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         init = make_replay_buffer(args, num_devices, global_envs, local=False).init
-        return jax.jit(lambda item: strongly_typed(init(item)), out_shardings=shardings)(replay_item(args))
+        typed_init = jax.jit(lambda item: strongly_typed(init(item)), out_shardings=shardings)
+        return typed_init(replay_item(args))
 
     def local_update(agent_state: TrainState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
@@ -802,10 +803,12 @@ def main(args: Args) -> int:
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
     state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
     state, actor_threads = run.start(state, state_summary)
-    if run.start_update:  # the actors start new episodes: the newest stored rows end theirs; in the replay's layout,
-        # so that the update is the fresh run's program (from the compilation cache, not compiled anew)
+    # a resumed run's actors start new episodes: the newest stored rows end theirs, in the replay's layout (so that
+    # the update is the fresh run's program, from the compilation cache, not compiled anew)
+    if run.start_update:
         layout = jax.tree.map(lambda x: x.sharding, state.replay)
-        state = state._replace(replay=jax.jit(end_stored_episodes, out_shardings=layout)(state.replay))
+        end_episodes = jax.jit(end_stored_episodes, out_shardings=layout)
+        state = state._replace(replay=end_episodes(state.replay))
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]

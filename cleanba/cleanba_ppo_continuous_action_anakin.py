@@ -479,6 +479,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
     loss_fn = partial(ppo_loss, agent=agent, args=args)
     batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
+    collect = partial(rollout, agent=agent, env=env, num_steps=args.num_steps, gamma=args.gamma)
 
     def minibatch_update(agent_state: AgentState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -511,9 +512,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 
     def update(state: LearnerState) -> tuple[LearnerState, dict]:
         agent_state, key, envs = state
-        envs, storage = rollout(
-            agent=agent, env=env, agent_state=agent_state, envs=envs, num_steps=args.num_steps, gamma=args.gamma
-        )
+        envs, storage = collect(agent_state=agent_state, envs=envs)
         # the running statistics updated with the rollout
         agent_state, batch = batch_of(agent_state, storage)
         agent_state, key, metrics = learn(batch, agent_state, key)
