@@ -235,7 +235,8 @@ class NatureCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 

@@ -223,7 +223,7 @@ class ResidualBlock(nn.Module):
 
 
 class MLP(nn.Module):
-    """ReLU MLP for vector observations and for the heads."""
+    """ReLU MLP with flax's default init, on float32 inputs."""
 
     hiddens: Sequence[int]
 

@@ -125,12 +125,14 @@ def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = No
 
 
 class MLP(nn.Module):
-    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
     @nn.compact
     def __call__(self, x):
+        x = x.astype(jnp.float32)
         for hidden in self.hiddens:
             x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
         return x
@@ -255,7 +257,7 @@ def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, ga
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
     )
-    # the reset steps are not steps of an episode: their (zero) returns do not count
+    # the envs' reset steps are not steps of an episode: their (zero) returns do not count
     return_rms = merge_running_stats(
         agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
     )

@@ -229,7 +229,8 @@ class NatureCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
@@ -332,10 +333,10 @@ class Batch(NamedTuple):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
     episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
     observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
-    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values

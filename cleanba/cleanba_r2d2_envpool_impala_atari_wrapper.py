@@ -241,7 +241,7 @@ class ImpalaCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
+    """ReLU MLP with flax's default init, on float32 inputs."""
 
     hiddens: Sequence[int]
 
