@@ -85,7 +85,7 @@ def main(args: BenchArgs):
         fail(f"--seconds must be positive and finite, --warmup positive (got {args.seconds}, {args.warmup})")
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        muzero = load_script(SCRIPT)
+        muzero = load_script(SCRIPT, ("evaluation", "run", "sebulba"))
         rows = [
             measure(muzero, env_id, n, args.seconds, args.warmup)
             for env_id in args.env_ids

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclasses.dataclass
 class HarnessArgs:
     script: Path = REPO / "cleanba" / "cleanba_ppo_envpool_impala_atari_wrapper.py"
-    """the cleanba script to measure"""
+    """the cleanba script to measure: an on-policy Sebulba script (PPO, IMPALA, MuJoCo PPO, the on-policy MuJoCo one)"""
     repeats: int = 5
     """repeats of each stage measurement (the table shows the median and the spread)"""
     stage_rollouts: int = 3
@@ -360,7 +360,9 @@ def main():
     if harness.summarize:
         return run_main(summarize, harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
-    module = run_main(lambda: load_script(python_script(harness.script, "--script")))
+    # the contract's names this tool calls: an on-policy Sebulba script's
+    parts = ("evaluation", "run", "sebulba", "on-policy learner")
+    module = run_main(lambda: load_script(python_script(harness.script, "--script"), parts))
     return run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
 
 

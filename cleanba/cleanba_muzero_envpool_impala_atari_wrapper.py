@@ -728,9 +728,7 @@ def end_stored_episodes(replay):
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> dict:

@@ -715,9 +715,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 # the evaluation's epsilon without --eval-greedy (a choice: small, so that the agent cannot loop forever)
 EVAL_EPSILON = 0.01
