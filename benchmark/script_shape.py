@@ -100,6 +100,39 @@ def packed_lines(source: str) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+LONGEST_FUNCTION = 60  # lines, the `def` line to the last (decorators left out): the house rule
+
+
+def function_lengths(source: str) -> list[tuple[str, int]]:
+    """(qualified name, lines) of every function of `source`, methods and nested functions included:
+    `Checkpoints.restore`, `make_learner_update.update`."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    found.append((name, child.end_lineno - child.lineno + 1))
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def definitions(source: str) -> dict[str, str]:
+    """name -> text (decorators included) of each top-level function and class of a script."""
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+            found[node.name] = "\n".join(lines[first - 1 : node.end_lineno])
+    return found
+
+
 def code_lines_over(source: str, length: int) -> int:
     """Lines over `length` characters that are code: docstrings (string statements) and comment lines left out."""
     prose = set()
@@ -121,13 +154,13 @@ def shape(source: str) -> dict:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
         for alias in node.names
     ]
-    functions = {node.name: lines[node.name] for node in tree.body if isinstance(node, ast.FunctionDef)}
+    long = [f"{name} {n}" for name, n in function_lengths(source) if n > LONGEST_FUNCTION]
     return {
         "lines": len(source.splitlines()),
         "main": lines.get("main"),
         "Args": lines.get("Args"),
         "actor": lines.get("actor_loop") or lines.get("rollout"),
-        "functions over 60 lines": ", ".join(f"{name} {n}" for name, n in functions.items() if n > 60) or "none",
+        "functions over 60 lines": ", ".join(long) or "none",
         "cleanrl_utils names": len(imported),
         "over 100": sum(len(line) > 100 for line in source.splitlines()),
         "over 110": sum(len(line) > 110 for line in source.splitlines()),
