@@ -21,8 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cleanrl_utils.benchmark import fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.evals.evaluate import load_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,8 +18,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {

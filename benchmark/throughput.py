@@ -37,7 +37,8 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from cleanrl_utils.benchmark import python_script, read_records
+from tool_helpers import python_script, read_records
+
 from cleanrl_utils.cli import parse_flags, run_cli, run_main
 from cleanrl_utils.devices import device_layout
 from cleanrl_utils.errors import RunError
