@@ -179,8 +179,8 @@ def make_env(
     num_threads: int = 0,
     env_options: Sequence[str] = (),
 ):
-    """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
-    order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
+    """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
+    env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
     return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads, overrides=env_options)
 
 

@@ -477,9 +477,10 @@ def actor_params(agent_state: TrainState):
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
     `key`, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
-    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key, obs_space = thread.key(key), envs.observation_space
     next_obs, _ = envs.reset()
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     episodes, timer = EpisodeStats(num_envs), StageTimer()

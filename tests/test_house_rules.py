@@ -27,8 +27,8 @@ DIFFERENT_COPIES = {
     "Args": ("each algorithm's flags", ()),
     "validate_args": ("each algorithm's flags and their checks", (("ppo_anakin", "ppo_anakin_continuous"),)),
     "make_env": (
-        "the docstring says what each algorithm does with envpool's envs; Anakin's are JAX envs, for the evaluator",
-        (("ppo", "impala", "r2d2"), ("mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
+        "SAC's and MuZero's docstrings say what they do with envpool's envs; Anakin's are JAX envs, for the evaluator",
+        (("ppo", "impala", "r2d2", "mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
     ),
     "ResidualBlock": (TORSO_DTYPE, (("ppo", "impala"), ("r2d2", "muzero"))),
     "ConvSequence": (TORSO_DTYPE, (("ppo", "impala"),)),
