@@ -1,9 +1,11 @@
 """The shape of the scripts, as a reader meets it: lines of each script, of its `main`, its `Args` and its actor
 function (a Sebulba script's `actor_loop`, the Anakin script's `rollout`; `rollout` in revisions before the rename),
-its functions over 60 lines, the names it imports from cleanrl_utils, its lines over 100 and over 110 characters, its
-code lines over 100 (docstrings and comment lines left out) and its packed lines (`packed_lines`); the `diff | wc -l`
-of the script pairs that should differ only by their algorithm, the lines it changes (`diff | grep -c '^[<>]'`) and
-those after the first `def` (the imports, flags and their checks left out); and the lines of each cleanrl_utils module.
+its functions over 60 lines (methods and nested functions too), the names it imports from cleanrl_utils, its lines
+over 100 and over 110 characters, its code lines over 100 (docstrings and comment lines left out) and its packed lines
+(`packed_lines`); the `diff | wc -l` of the script pairs that should differ only by their algorithm, the lines it
+changes (`diff | grep -c '^[<>]'`) and those after the first `def` (the imports, flags and their checks left out); and
+the lines of each cleanrl_utils module. tests/test_house_rules.py holds the code to its `packed_lines`,
+`function_lengths` and `definitions`.
 
 usage (repository root): uv run python benchmark/script_shape.py [--rev REV] [--packed]
   (default: the working tree; --packed lists each script's packed lines)
