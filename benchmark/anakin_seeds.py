@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail, machine, read_run, readme_training_commands, timed_process
-from cleanrl_utils.cli import run_cli
+from tool_helpers import machine, read_run, readme_training_commands, timed_process
+
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.flags import MAX_SEED
 
 SCRIPTS = {

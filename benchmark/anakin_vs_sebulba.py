@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tool_helpers import pyplot, read_records, read_run, readme_training_commands, save
 
-from cleanrl_utils.benchmark import fail, pyplot, read_records, read_run, readme_training_commands, save
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 
 plt = pyplot()
 

@@ -46,8 +46,7 @@ from packaging.markers import Marker
 from packaging.tags import Tag
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from cleanrl_utils.benchmark import fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.errors import RunError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tool_helpers import python_script
 
-from cleanrl_utils.benchmark import fail, python_script
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.devices import envpool_num_threads
 from cleanrl_utils.envs import check_env_id
 from cleanrl_utils.evals.evaluate import load_script

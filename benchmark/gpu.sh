@@ -15,7 +15,7 @@
 #                   (benchmark/jax_env_ceiling.py), then the Anakin PPO alone on Breakout at pgx's settings for
 #                   ANAKIN_UPDATES (8) updates: its steady SPS, as a fraction of the env step's at 4,096 envs
 #   (f) pgx-check   not in the default list: pgx's own MinAtar PPO example (PGX_TRAIN: a checkout's
-#                   examples/minatar-ppo/train.py, run with benchmark/pgx_stand_ins) beside the Anakin PPO as it is and
+#                   examples/minatar-ppo/train.py, run with benchmark/pgx-stand-ins) beside the Anakin PPO as it is and
 #                   with haiku's initializers, on Breakout at 20M steps, seeds PGX_SEEDS (0-7) and OURS_SEEDS (1-8),
 #                   all sharing the GPU (benchmark/pgx_minatar_check.py; the example needs dm-haiku installed)
 #   (g) ceiling-sweep not in the default list: lscpu and nvidia-smi into the results folder, then envpool

@@ -12,9 +12,9 @@ import runpy
 import sys
 
 import flax.linen as nn
+from tool_helpers import python_script
 
-from cleanrl_utils.benchmark import fail, python_script
-from cleanrl_utils.cli import run_main
+from cleanrl_utils.cli import fail, run_main
 
 HAIKU_TRUNCATED_NORMAL_VARIANCE = 0.87962566**2
 

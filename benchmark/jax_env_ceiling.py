@@ -26,9 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tool_helpers import check_each, machine
 
-from cleanrl_utils.benchmark import check_each, fail, machine
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.evals.evaluate import load_script
 from cleanrl_utils.jax_envs import check_env_id, make_jax_env

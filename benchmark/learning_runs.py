@@ -51,19 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tool_helpers import PGX_MINATAR_PPO, find_runs, machine, mean_and_spread, pyplot, read_records, read_run, save
 
-from cleanrl_utils.benchmark import (
-    PGX_MINATAR_PPO,
-    fail,
-    find_runs,
-    machine,
-    mean_and_spread,
-    pyplot,
-    read_records,
-    read_run,
-    save,
-)
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.errors import RunError
 
 plt = pyplot()

@@ -21,8 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from cleanrl_utils.benchmark import fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.evals.evaluate import load_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +84,7 @@ def main(args: BenchArgs):
         fail(f"--seconds must be positive and finite, --warmup positive (got {args.seconds}, {args.warmup})")
     with open("/tmp/cleanba-bench.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        muzero = load_script(SCRIPT)
+        muzero = load_script(SCRIPT, ("evaluation", "run", "sebulba"))
         rows = [
             measure(muzero, env_id, n, args.seconds, args.warmup)
             for env_id in args.env_ids

@@ -6,7 +6,7 @@
 
 pgx's README plots its example's evaluation return at 20M steps; this measures what the example itself gives today,
 on the same machine as ours. Its `train.py` (a checkout of sotetsuk/pgx, `key=value` arguments, dm-haiku installed)
-runs unchanged, with benchmark/pgx_stand_ins first on PYTHONPATH: W&B, OmegaConf, pydantic and distrax do not run
+runs unchanged, with benchmark/pgx-stand-ins first on PYTHONPATH: W&B, OmegaConf, pydantic and distrax do not run
 beside today's JAX or offline. Its measure is the mean return of the sampled policy over 100 envs' first episodes
 after the last update; ours the saved model's 100 episodes (`--save-model --eval-episodes 100`), sampled actions.
 Variants of ours: `default` (the script as it is) and `haiku` (the same run through benchmark/haiku_init.py:
@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tool_helpers import PGX_MINATAR_PPO, machine
 
-from cleanrl_utils.benchmark import PGX_MINATAR_PPO, fail, machine, read_input
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, read_input, run_cli
 
 BENCHMARK = Path(__file__).parent
+# the stand-ins for wandb, pydantic, omegaconf and distrax: a folder whose name is no Python name, so that neither
+# benchmark/ nor the repository on sys.path imports them; only pgx's example finds them, on its PYTHONPATH
+STAND_INS = BENCHMARK / "pgx-stand-ins"
 # pgx's examples/minatar-ppo settings (docs/studies/minatar_pgx.md)
 PGX_PPO = (
     "--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr "
@@ -63,7 +66,7 @@ class Args:
 def commands(args: Args) -> dict[str, tuple[list[str], dict]]:
     """{log name: (command, extra environment)} of every run."""
     runs = {}
-    stand_ins = {"PYTHONPATH": os.pathsep.join([str(BENCHMARK / "pgx_stand_ins"), os.environ.get("PYTHONPATH", "")])}
+    stand_ins = {"PYTHONPATH": os.pathsep.join([str(STAND_INS), os.environ.get("PYTHONPATH", "")])}
     for seed in args.pgx_seeds:
         options = [f"env_name={args.env_id}", f"seed={seed}", f"total_timesteps={args.total_timesteps}"]
         runs[f"pgx_{seed}"] = ([*shlex.split(args.python), args.pgx_train, *options], stand_ins)

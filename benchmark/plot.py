@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tool_helpers import find_runs, mean_and_spread, pyplot, read_run, save
 
-from cleanrl_utils.benchmark import fail, find_runs, mean_and_spread, pyplot, read_run, save
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 
 plt = pyplot()
 import matplotlib.ticker  # noqa: E402 (after pyplot() has chosen the file-only backend)

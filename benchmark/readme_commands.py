@@ -6,9 +6,9 @@ Each command is read from README.md (each bash block line that runs a script in 
 each script is named after its algorithm (for PPO the quick start's), the others `{algorithm}@{env id}` (e.g.
 `ppo@MiniGrid-Empty-5x5-v0`). It runs as written plus `--seed S --exp-name readme_{name}`, one run at a time; each
 record keeps how many CPU cores other processes kept busy during its run (`other_load_cores`), and a wall time
-measured beside more than a quarter of a core is marked in the table and is no quiet machine's time (the README's
-promised times are checked against quiet runs only); `--extra-flags` appends flags (a variant of the command,
-recorded with it).
+measured beside more than a quarter of a core, or without that measurement (an older record), is marked in the table
+and is no quiet machine's time (the README's promised times are checked against quiet runs only); `--extra-flags`
+appends flags (a variant of the command, recorded with it).
 A seed passes when its best average return over a window of consecutive env steps (10k on CartPole, 2k on Pendulum,
 20k on HalfCheetah, ...) reaches the command's threshold (THRESHOLDS, with its source); the final average (the last
 window) is recorded too. Each run appends a JSON line to --results (with the processor and the date); each command's
@@ -28,10 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-from cleanrl_utils.benchmark import (
+from tool_helpers import (
     TimedRun,
-    fail,
     find_runs,
     machine,
     pyplot,
@@ -42,7 +40,8 @@ from cleanrl_utils.benchmark import (
     save,
     timed_process,
 )
-from cleanrl_utils.cli import run_cli
+
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.flags import MAX_SEED
 
 plt = pyplot()
@@ -210,6 +209,13 @@ def summarize(env_id: str, records: dict[int, dict]) -> list[dict]:
     return rows
 
 
+def load_note(row: dict) -> str:
+    """Why a run's wall time is not a quiet machine's."""
+    if row.get("other_load_cores") is None:
+        return " (load not measured)"
+    return f" (beside {row['other_load_cores']:.1f} cores of other load)"
+
+
 def print_table(algorithm: str, env_id: str, rows: list[dict]):
     threshold, source, window = THRESHOLDS[env_id]
     print(f"\n{algorithm} on {env_id}: threshold {threshold:g} ({source}); windows of {window:,} env steps")
@@ -220,7 +226,7 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
     for row in rows:
         reached = "never" if row["first_reached"] is None else f"step {row['first_reached']:,}"
         best, final = f"{row['best']:,.{decimals}f}", f"{row['final']:,.{decimals}f}"
-        load = "" if quiet(row) else f" (beside {row['other_load_cores']:.1f} cores of other load)"
+        load = "" if quiet(row) else load_note(row)
         print(f"| {row['seed']} | {best} ({row['best_from']:,}) | {final} | {reached} | {row['wall_s']:.0f} s{load} |")
     passed = sum(row["passed"] for row in rows)
     quiet_walls = [row["wall_s"] for row in rows if quiet(row)]
@@ -228,7 +234,7 @@ def print_table(algorithm: str, env_id: str, rows: list[dict]):
     if len(quiet_walls) == len(rows):
         load = ""
     else:
-        load = " (of the quiet runs; the others beside other load)" if quiet_walls else " (every run beside other load)"
+        load = " (of the quiet runs; the others not quiet)" if quiet_walls else " (no run quiet)"
     worst = min(rows, key=lambda row: row["best"])
     where = {(row.get("processor", "?"), row.get("date", "?")) for row in rows}
     print(

@@ -21,9 +21,9 @@ from functools import partial
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tool_helpers import check_each
 
-from cleanrl_utils.benchmark import check_each, fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 from cleanrl_utils.envs import check_env_id
 from cleanrl_utils.errors import RunError
 

@@ -1,9 +1,11 @@
 """The shape of the scripts, as a reader meets it: lines of each script, of its `main`, its `Args` and its actor
 function (a Sebulba script's `actor_loop`, the Anakin script's `rollout`; `rollout` in revisions before the rename),
-its functions over 60 lines, the names it imports from cleanrl_utils, its lines over 100 and over 110 characters, its
-code lines over 100 (docstrings and comment lines left out) and its packed lines (`packed_lines`); the `diff | wc -l`
-of the script pairs that should differ only by their algorithm, the lines it changes (`diff | grep -c '^[<>]'`) and
-those after the first `def` (the imports, flags and their checks left out); and the lines of each cleanrl_utils module.
+its functions over 60 lines (methods and nested functions too), the names it imports from cleanrl_utils, its lines
+over 100 and over 110 characters, its code lines over 100 (docstrings and comment lines left out) and its packed lines
+(`packed_lines`); the `diff | wc -l` of the script pairs that should differ only by their algorithm, the lines it
+changes (`diff | grep -c '^[<>]'`) and those after the first `def` (the imports, flags and their checks left out); and
+the lines of each cleanrl_utils module. tests/test_house_rules.py holds the code to its `packed_lines`,
+`function_lengths` and `definitions`.
 
 usage (repository root): uv run python benchmark/script_shape.py [--rev REV] [--packed]
   (default: the working tree; --packed lists each script's packed lines)
@@ -18,8 +20,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail
-from cleanrl_utils.cli import run_cli
+from cleanrl_utils.cli import fail, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {
@@ -100,6 +101,39 @@ def packed_lines(source: str) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+LONGEST_FUNCTION = 60  # lines, the `def` line to the last (decorators left out): the house rule
+
+
+def function_lengths(source: str) -> list[tuple[str, int]]:
+    """(qualified name, lines) of every function of `source`, methods and nested functions included:
+    `Checkpoints.restore`, `make_learner_update.update`."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    found.append((name, child.end_lineno - child.lineno + 1))
+                visit(child, f"{name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def definitions(source: str) -> dict[str, str]:
+    """name -> text (decorators included) of each top-level function and class of a script."""
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(decorator.lineno for decorator in node.decorator_list)])
+            found[node.name] = "\n".join(lines[first - 1 : node.end_lineno])
+    return found
+
+
 def code_lines_over(source: str, length: int) -> int:
     """Lines over `length` characters that are code: docstrings (string statements) and comment lines left out."""
     prose = set()
@@ -121,13 +155,13 @@ def shape(source: str) -> dict:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cleanrl_utils")
         for alias in node.names
     ]
-    functions = {node.name: lines[node.name] for node in tree.body if isinstance(node, ast.FunctionDef)}
+    long = [f"{name} {n}" for name, n in function_lengths(source) if n > LONGEST_FUNCTION]
     return {
         "lines": len(source.splitlines()),
         "main": lines.get("main"),
         "Args": lines.get("Args"),
         "actor": lines.get("actor_loop") or lines.get("rollout"),
-        "functions over 60 lines": ", ".join(f"{name} {n}" for name, n in functions.items() if n > 60) or "none",
+        "functions over 60 lines": ", ".join(long) or "none",
         "cleanrl_utils names": len(imported),
         "over 100": sum(len(line) > 100 for line in source.splitlines()),
         "over 110": sum(len(line) > 110 for line in source.splitlines()),

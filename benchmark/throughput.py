@@ -37,7 +37,8 @@ from functools import partial
 from pathlib import Path
 from typing import Literal
 
-from cleanrl_utils.benchmark import python_script, read_records
+from tool_helpers import python_script, read_records
+
 from cleanrl_utils.cli import parse_flags, run_cli, run_main
 from cleanrl_utils.devices import device_layout
 from cleanrl_utils.errors import RunError
@@ -51,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclasses.dataclass
 class HarnessArgs:
     script: Path = REPO / "cleanba" / "cleanba_ppo_envpool_impala_atari_wrapper.py"
-    """the cleanba script to measure"""
+    """the cleanba script to measure: an on-policy Sebulba script (PPO, IMPALA, MuJoCo PPO, the on-policy MuJoCo one)"""
     repeats: int = 5
     """repeats of each stage measurement (the table shows the median and the spread)"""
     stage_rollouts: int = 3
@@ -88,27 +89,16 @@ def timed_rates(measure, samples: int, repeats: int) -> dict:
     return spread(rates)
 
 
-def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
-    import jax
+def env_stage(envs, args, harness: HarnessArgs):
+    """envpool alone: (step_envs, observations), step_envs() stepping one actor thread's envs for --stage-rollouts
+    rollouts with random actions drawn beforehand (so that only envpool is timed) into observations (inference's)."""
     import numpy as np
 
-    from cleanrl_utils.actors import ActorThread
-    from cleanrl_utils.data_path import assemble_global_rollout
-    from cleanrl_utils.devices import envpool_num_threads, replicate
-
-    actor_device, learner_devices, mesh = layout.actor_devices[0], layout.learner_devices, layout.mesh
     num_envs, num_steps = args.local_num_envs, args.num_steps
-    rollout_samples = num_envs * num_steps * harness.stage_rollouts
-    every_stage = harness.stages == "all"  # else the learner alone
-    results = {}
-
-    # env: random actions drawn beforehand, so that only envpool is timed; its observations feed inference
-    num_threads = envpool_num_threads(args.envpool_threads, args.num_actor_threads * len(layout.actor_devices))
-    envs = module.make_env(args.env_id, args.seed, num_envs, num_threads=num_threads)
     action_space = envs.action_space
     action_space.seed(args.seed)
     random_actions = np.stack([np.stack([action_space.sample() for _ in range(num_envs)]) for _ in range(num_steps)])
-    first_obs, _ = envs.reset()
+    envs.reset()
     observations = []
 
     def step_envs():
@@ -117,14 +107,12 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
             obs, *_ = envs.step(random_actions[step % num_steps])
             observations.append(obs)
 
-    if every_stage:
-        results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
+    return step_envs, observations
 
-    # inference: the actor's per-step call, as `actor_loop` makes it
-    agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
-    actor_fns = module.make_actor_fns(agent)
-    params = jax.device_put(module.actor_params(agent_state), actor_device)
-    key = jax.device_put(jax.random.key(args.seed), actor_device)
+
+def inference_stage(actor_fns, params, observations: list, key):
+    """The actor's per-step call alone, as `actor_loop` makes it, on `observations` (incl. device_get)."""
+    import jax
 
     def infer():
         nonlocal key
@@ -132,59 +120,102 @@ def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
             *outputs, key = actor_fns.act(params, obs, key)
             jax.device_get(outputs)
 
-    if every_stage:
-        results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
+    return infer
 
-    # actor: the script's own actor thread function for stage_rollouts rollouts, the learner replaced by queues
-    def run_actor(rollouts: int):
-        args.num_updates = rollouts
-        params_queue, rollout_queue, stop_event = queue.Queue(), queue.Queue(), threading.Event()
-        for version in range(rollouts):
-            params_queue.put((params, version))
-        thread = ActorThread(
-            index=0,
-            global_index=0,
-            device=actor_device,
-            learner_devices=learner_devices,
-            start_update=0,
-            envpool_threads=num_threads,
-            stop_event=stop_event,
-            queue_timeout=args.queue_timeout,
-        )
-        module.actor_loop(
-            args=args,
-            thread=thread,
-            key=jax.random.key(args.seed),
-            make_envs=lambda seed, num_threads=0: envs,
-            actor_fns=actor_fns,
-            params_queue=params_queue,
-            rollout_queue=rollout_queue,
-        )
-        return [rollout_queue.get()[0] for _ in range(rollouts)]
 
-    stored_rollout = run_actor(1)[0]  # also compiles
-    actor_rates = []
-    for _ in range(harness.repeats if every_stage else 0):
-        start = time.perf_counter()
-        run_actor(harness.stage_rollouts)
-        actor_rates.append(rollout_samples / (time.perf_counter() - start))
-    if every_stage:
-        results["actor"] = spread(actor_rates)
+def run_actor(module, args, layout, rollouts: int, *, envs, num_threads: int, actor_fns, params) -> list:
+    """The script's own actor thread function for `rollouts` rollouts, the learner replaced by queues: the rollouts it
+    sent."""
+    import jax
 
-    # learner: one update of the global batch (every actor thread's rollout: here copies of the stored one)
+    from cleanrl_utils.actors import ActorThread
+
+    args.num_updates = rollouts
+    params_queue, rollout_queue, stop_event = queue.Queue(), queue.Queue(), threading.Event()
+    for version in range(rollouts):
+        params_queue.put((params, version))
+    thread = ActorThread(
+        index=0,
+        global_index=0,
+        device=layout.actor_devices[0],
+        learner_devices=layout.learner_devices,
+        start_update=0,
+        envpool_threads=num_threads,
+        stop_event=stop_event,
+        queue_timeout=args.queue_timeout,
+    )
+    module.actor_loop(
+        args=args,
+        thread=thread,
+        key=jax.random.key(args.seed),
+        make_envs=lambda seed, num_threads=0: envs,
+        actor_fns=actor_fns,
+        params_queue=params_queue,
+        rollout_queue=rollout_queue,
+    )
+    return [rollout_queue.get()[0] for _ in range(rollouts)]
+
+
+def learner_stage(module, args, mesh, *, agent, agent_state, stored_rollout, harness: HarnessArgs) -> dict:
+    """samples/s of the learner alone: updates of the global batch (every actor thread's rollout: here copies of the
+    stored one), as many as rollouts in the other stages (a small update takes only a millisecond)."""
+    import jax
+
+    from cleanrl_utils.data_path import assemble_global_rollout
+    from cleanrl_utils.devices import replicate
+
     args.num_updates = 10**6
     update = module.make_learner_update(args, agent, mesh)
     threads = args.num_actor_threads * len(args.actor_device_ids)
-    storage = assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // num_steps)
+    storage = assemble_global_rollout([stored_rollout] * threads, mesh, args.batch_size // args.num_steps)
     learner_state = module.LearnerState(replicate(agent_state, mesh), jax.random.key(args.seed))
 
-    def learn():  # as many updates as rollouts in the other stages: a small update takes only a millisecond
+    def learn():
         nonlocal learner_state
         for _ in range(harness.stage_rollouts):
             learner_state, metrics = update(learner_state, storage)
         jax.block_until_ready((learner_state, metrics))
 
-    results["learner"] = timed_rates(learn, args.batch_size * harness.stage_rollouts, harness.repeats)
+    return timed_rates(learn, args.batch_size * harness.stage_rollouts, harness.repeats)
+
+
+def measure_stages(module, args, layout, harness: HarnessArgs) -> dict:
+    """samples/s of each stage alone (--stages learner: of the learner alone, on one rollout of the actor)."""
+    import jax
+
+    from cleanrl_utils.devices import envpool_num_threads
+
+    actor_device = layout.actor_devices[0]
+    rollout_samples = args.local_num_envs * args.num_steps * harness.stage_rollouts
+    every_stage = harness.stages == "all"  # else the learner alone
+    results = {}
+    num_threads = envpool_num_threads(args.envpool_threads, args.num_actor_threads * len(layout.actor_devices))
+    envs = module.make_env(args.env_id, args.seed, args.local_num_envs, num_threads=num_threads)
+    step_envs, observations = env_stage(envs, args, harness)
+    if every_stage:
+        results["env"] = timed_rates(step_envs, rollout_samples, harness.repeats)
+    agent, agent_state = module.make_agent(args, jax.random.key(args.seed))
+    actor_fns = module.make_actor_fns(agent)
+    params = jax.device_put(module.actor_params(agent_state), actor_device)
+    if every_stage:
+        key = jax.device_put(jax.random.key(args.seed), actor_device)
+        infer = inference_stage(actor_fns, params, observations, key)
+        results["inference"] = timed_rates(infer, rollout_samples, harness.repeats)
+    # actor: env + inference + storage + transfer, one actor thread
+    actor = partial(
+        run_actor, module, args, layout, envs=envs, num_threads=num_threads, actor_fns=actor_fns, params=params
+    )
+    stored_rollout = actor(1)[0]  # also compiles
+    actor_rates = []
+    for _ in range(harness.repeats if every_stage else 0):
+        start = time.perf_counter()
+        actor(harness.stage_rollouts)
+        actor_rates.append(rollout_samples / (time.perf_counter() - start))
+    if every_stage:
+        results["actor"] = spread(actor_rates)
+    results["learner"] = learner_stage(
+        module, args, layout.mesh, agent=agent, agent_state=agent_state, stored_rollout=stored_rollout, harness=harness
+    )
     return results
 
 
@@ -330,7 +361,9 @@ def main():
     if harness.summarize:
         return run_main(summarize, harness.summarize, harness.baseline)
     script_args = argv[split + 1 :]
-    module = run_main(lambda: load_script(python_script(harness.script, "--script")))
+    # the contract's names this tool calls: an on-policy Sebulba script's
+    parts = ("evaluation", "run", "sebulba", "on-policy learner")
+    module = run_main(lambda: load_script(python_script(harness.script, "--script"), parts))
     return run_cli(partial(measure, harness, module, script_args), module.Args, script_args)
 
 

@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cleanrl_utils.benchmark import fail, machine, read_input
-from cleanrl_utils.cli import run_cli
+from tool_helpers import machine
+
+from cleanrl_utils.cli import fail, read_input, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 # jax.device_put_sharded's in-line replacement (as flax 0.12.7 in-lined it): the shards stacked, split over the devices

@@ -223,7 +223,7 @@ class ResidualBlock(nn.Module):
 
 
 class MLP(nn.Module):
-    """ReLU MLP for vector observations and for the heads."""
+    """ReLU MLP with flax's default init, on float32 inputs."""
 
     hiddens: Sequence[int]
 
@@ -557,9 +557,10 @@ def actor_params(agent_state: TrainState):
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), searches on its actor device with
     `key`, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
-    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key, obs_space = thread.key(key), envs.observation_space
     shape = (num_steps, num_envs)  # every array of the rollout is time-major
     next_obs, _ = envs.reset()
     previous_episode_end = np.zeros(num_envs, dtype=bool)
@@ -671,7 +672,8 @@ def make_learner_fns(args: Args, agent: MuZeroNet, mesh: Mesh) -> LearnerFns:
     def init_replay():
         shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), replay_specs)
         init = make_replay_buffer(args, num_devices, global_envs, local=False).init
-        return jax.jit(lambda item: strongly_typed(init(item)), out_shardings=shardings)(replay_item(args))
+        typed_init = jax.jit(lambda item: strongly_typed(init(item)), out_shardings=shardings)
+        return typed_init(replay_item(args))
 
     def local_update(agent_state: TrainState, replay, storage: Rollout, key, train: bool):
         """Per device: append its envs' rollout to its replay shard, then --replay-ratio x batch gradient steps."""
@@ -727,9 +729,7 @@ def end_stored_episodes(replay):
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> dict:
@@ -802,10 +802,12 @@ def main(args: Args) -> int:
     # the newest checkpoint of the run, or this fresh state; then the actor threads, seeded for the update it is at
     state = LearnerState(replicate(agent_state, run.mesh), learner_key, learner.init_replay())
     state, actor_threads = run.start(state, state_summary)
-    if run.start_update:  # the actors start new episodes: the newest stored rows end theirs; in the replay's layout,
-        # so that the update is the fresh run's program (from the compilation cache, not compiled anew)
+    # a resumed run's actors start new episodes: the newest stored rows end theirs, in the replay's layout (so that
+    # the update is the fresh run's program, from the compilation cache, not compiled anew)
+    if run.start_update:
         layout = jax.tree.map(lambda x: x.sharding, state.replay)
-        state = state._replace(replay=jax.jit(end_stored_episodes, out_shardings=layout)(state.replay))
+        end_episodes = jax.jit(end_stored_episodes, out_shardings=layout)
+        state = state._replace(replay=end_episodes(state.replay))
 
     # Sebulba: each actor thread has a size-1 params queue from the learner and a size-1 rollout queue to it
     params_queues = [queue.Queue(maxsize=1) for _ in actor_threads]

@@ -125,12 +125,14 @@ def make_env(env_id: str, seed: int, num_envs: int, render_mode: str | None = No
 
 
 class MLP(nn.Module):
-    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
     @nn.compact
     def __call__(self, x):
+        x = x.astype(jnp.float32)
         for hidden in self.hiddens:
             x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
         return x
@@ -255,7 +257,7 @@ def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, ga
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
     )
-    # the reset steps are not steps of an episode: their (zero) returns do not count
+    # the envs' reset steps are not steps of an episode: their (zero) returns do not count
     return_rms = merge_running_stats(
         agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
     )
@@ -479,6 +481,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
     names = ["losses/loss", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
     loss_fn = partial(ppo_loss, agent=agent, args=args)
     batch_of = partial(prepare_batch, gamma=args.gamma, gae_lambda=args.gae_lambda)
+    collect = partial(rollout, agent=agent, env=env, num_steps=args.num_steps, gamma=args.gamma)
 
     def minibatch_update(agent_state: AgentState, batch: Batch, permutation, minibatch_index):
         indices = jax.lax.dynamic_slice_in_dim(permutation, minibatch_index * minibatch_size, minibatch_size)
@@ -511,9 +514,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 
     def update(state: LearnerState) -> tuple[LearnerState, dict]:
         agent_state, key, envs = state
-        envs, storage = rollout(
-            agent=agent, env=env, agent_state=agent_state, envs=envs, num_steps=args.num_steps, gamma=args.gamma
-        )
+        envs, storage = collect(agent_state=agent_state, envs=envs)
         # the running statistics updated with the rollout
         agent_state, batch = batch_of(agent_state, storage)
         agent_state, key, metrics = learn(batch, agent_state, key)
@@ -534,9 +535,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_jax_env`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
-# `check_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> list[dict]:

@@ -143,8 +143,8 @@ def make_env(
     num_threads: int = 0,
     env_options: Sequence[str] = (),
 ):
-    """envpool's task with its family's cited options, dict observations (dm_control) flattened in a fixed key
-    order (cleanrl_utils/envs.py); normalization belongs to the training loop (learned statistics)."""
+    """envpool gymnasium envs with the family's cited options, dict observations flattened (cleanrl_utils/envs.py);
+    env i is seeded with seed + i; render_mode="rgb_array" makes envs.render() return env 0's frame (videos)."""
     return make_envpool(env_id, seed, num_envs, render_mode=render_mode, num_threads=num_threads, overrides=env_options)
 
 
@@ -152,12 +152,14 @@ def make_env(
 
 
 class MLP(nn.Module):
-    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo_continuous_action)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
     @nn.compact
     def __call__(self, x):
+        x = x.astype(jnp.float32)
         for hidden in self.hiddens:
             x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
         return x
@@ -257,10 +259,10 @@ class AgentState(TrainState):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
     episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
     observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
-    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -282,7 +284,7 @@ def prepare_batch(agent_state: AgentState, storage: Rollout, *, gamma: float, ga
     obs_rms = merge_running_stats(
         agent_state.obs_rms, batch_running_stats(flat(storage.raw_obs), jnp.ones(storage.valid.size), "batch")
     )
-    # envpool's reset steps are not steps of an episode: their (zero) returns do not count
+    # the envs' reset steps are not steps of an episode: their (zero) returns do not count
     return_rms = merge_running_stats(
         agent_state.return_rms, batch_running_stats(flat(storage.discounted_returns), flat(storage.valid), "batch")
     )
@@ -543,9 +545,7 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_update`, `LearnerState`, `validate_args` and
-# `check_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> dict:

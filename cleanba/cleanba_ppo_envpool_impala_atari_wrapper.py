@@ -229,7 +229,8 @@ class NatureCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
 
     hiddens: Sequence[int]
 
@@ -332,10 +333,10 @@ class Batch(NamedTuple):
 
 
 def compute_gae(*, rewards, values, bootstrap_value, terminations, truncations, gamma, gae_lambda):
-    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. envpool returns an
+    """Generalized advantage estimation (Schulman et al. 2016) on time-major (T, N) arrays. The env returns an
     episode's true last observation with its end flag and resets on the next step, so the value at t+1 is V(last
     observation): a termination stops the bootstrap (its value is 0), a time-limit truncation bootstraps from it, and
-    either end stops the lambda-trace (the next step is envpool's reset step, masked out of the loss by `valid`)."""
+    either end stops the lambda-trace (the next step is the reset step, masked out of the loss by `valid`)."""
     next_values = jnp.concatenate([values[1:], bootstrap_value[None]], axis=0)
     episode_ends = jnp.logical_or(terminations, truncations)
     deltas = rewards + gamma * next_values * (1.0 - terminations) - values
@@ -476,9 +477,10 @@ def actor_params(agent_state: TrainState):
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
     `key`, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
-    num_envs, num_steps, obs_space = args.local_num_envs, args.num_steps, envs.observation_space
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key, obs_space = thread.key(key), envs.observation_space
     next_obs, _ = envs.reset()
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     episodes, timer = EpisodeStats(num_envs), StageTimer()
@@ -591,9 +593,7 @@ def make_learner_update(args: Args, agent: Agent, mesh: Mesh) -> Callable:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_update`, `LearnerState`, `validate_args` and
-# `check_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> dict:

@@ -241,7 +241,7 @@ class ImpalaCNN(nn.Module):
 
 
 class MLP(nn.Module):
-    """Torso for vector observations (classic control; MiniGrid and other dicts flattened by make_env)."""
+    """ReLU MLP with flax's default init, on float32 inputs."""
 
     hiddens: Sequence[int]
 
@@ -487,9 +487,10 @@ def next_rows(rows: Rollout, num_steps: int, period: int) -> Rollout:
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
     `key` and each env's recurrent state, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
     num_envs, num_steps, period = args.local_num_envs, args.num_steps, args.sequence_length // 2
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key = thread.key(key)
     # among the envs of every thread and process
     env_indices = thread.global_index * num_envs + np.arange(num_envs)
     epsilons = jax.device_put(apex_epsilons(env_indices, args.batch_size // num_steps), thread.device)
@@ -715,9 +716,7 @@ def make_learner_fns(args: Args, agent: Agent, mesh: Mesh) -> LearnerFns:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 # the evaluation's epsilon without --eval-greedy (a choice: small, so that the agent cannot loop forever)
 EVAL_EPSILON = 0.01

@@ -359,9 +359,10 @@ def actor_params(agent_state: AgentState):
 def actor_loop(*, args: Args, thread: ActorThread, key, make_envs, actor_fns: ActorFns, params_queue, rollout_queue):
     """An actor thread's life: steps its envpool (`make_envs(seed, num_threads)`), acts on its actor device with
     `key`, ships one rollout per update to the learner."""
-    envs = make_envs(thread.env_seed(args.seed, args.local_num_envs), num_threads=thread.envpool_threads)
-    key = thread.key(key)
-    num_envs, num_steps, action_space = args.local_num_envs, args.num_steps, envs.action_space
+    num_envs, num_steps = args.local_num_envs, args.num_steps
+    env_seed = thread.env_seed(args.seed, num_envs)
+    envs = make_envs(env_seed, num_threads=thread.envpool_threads)
+    key, action_space = thread.key(key), envs.action_space
     next_obs = envs.reset()[0].astype(np.float32)  # envpool's MuJoCo observations are float64
     previous_episode_end = np.zeros(num_envs, dtype=bool)
     episodes, timer = EpisodeStats(num_envs), StageTimer()
@@ -560,9 +561,7 @@ def end_stored_episodes(replay):
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_actor_fns`, `actor_params`, `actor_loop`, `make_learner_fns`, `LearnerState`, `validate_args` and
-# `set_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> dict:

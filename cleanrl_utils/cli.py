@@ -1,4 +1,5 @@
-"""The CLI entry of every script (`run_cli`) and the only place a process exits.
+"""The CLI entry of every script and tool (`run_cli`), the only place a process exits, and bad input as one line
+(`fail`; `read_input` for a file the user named).
 
 Library code raises typed errors (cleanrl_utils.errors); `run_cli` prints a `UsageError` as one `error:` line with
 exit code 2 (like argparse), a `RunError` or an `OSError` (disk full, permission denied) as one line with exit code 1,
@@ -13,12 +14,29 @@ import contextlib
 import io
 import sys
 import traceback
+from pathlib import Path
+from typing import NoReturn
 
 import tyro
 
 from cleanrl_utils.errors import UsageError, error_line, exit_code
 from cleanrl_utils.liveness import outlive_peers, peer_failure_line
 from cleanrl_utils.processes import distributed_started, exit_process
+
+
+def fail(message: str) -> NoReturn:
+    raise UsageError(message)  # the CLI entry prints it as one `error:` line, exit code 2
+
+
+def read_input(path, flag: str, expected: str) -> str:
+    """The text of a file the user named with `flag`. A missing, unreadable or binary one is bad input (exit code 2,
+    the flag named), not a failed write nor a UnicodeDecodeError's traceback."""
+    try:
+        return Path(path).read_text()
+    except OSError as error:
+        fail(f"{flag} {path}: {error.strerror or error}; expected {expected}")
+    except UnicodeDecodeError:
+        fail(f"{flag} {path}: not UTF-8 text; expected {expected}")
 
 
 def parse_flags(args_class, argv: list[str] | None = None):

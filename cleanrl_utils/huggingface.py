@@ -27,23 +27,11 @@ def script_summary(script_path: str | Path) -> str:
     return docstring.splitlines()[0] if docstring else ""
 
 
-def model_card(
-    repo_id: str,
-    args: dict,
-    script_name: str,
-    summary: str,
-    command: str,
-    episodic_returns: list[float],
-    greedy: bool,
-    model_file: str,
-    has_video: bool,
-) -> str:
-    """The README.md of the Hub repo (a pure function of its inputs)."""
+def card_metadata(env_id: str, script_name: str, mean: float, std: float) -> str:
+    """The model card's YAML header: the Hub's tags and the evaluation's mean reward."""
     from huggingface_hub import EvalResult, ModelCardData
 
-    mean, std = float(np.mean(episodic_returns)), float(np.std(episodic_returns))
-    env_id = args["env_id"]
-    metadata = ModelCardData(
+    return ModelCardData(
         library_name="cleanrl",
         tags=[env_id, "deep-reinforcement-learning", "reinforcement-learning", "custom-implementation", "cleanba"],
         model_name=script_name,
@@ -58,11 +46,27 @@ def model_card(
                 metric_value=f"{mean:.2f} +/- {std:.2f}",
             )
         ],
-    )
+    ).to_yaml()
+
+
+def model_card(
+    repo_id: str,
+    args: dict,
+    script_name: str,
+    summary: str,
+    command: str,
+    episodic_returns: list[float],
+    greedy: bool,
+    model_file: str,
+    has_video: bool,
+) -> str:
+    """The README.md of the Hub repo (a pure function of its inputs)."""
+    mean, std = float(np.mean(episodic_returns)), float(np.std(episodic_returns))
+    env_id = args["env_id"]
     video = '<video src="replay.mp4" controls autoplay loop></video>\n\n' if has_video else ""
     returns = ", ".join(f"{r:.2f}" for r in episodic_returns)
     return f"""---
-{metadata.to_yaml()}
+{card_metadata(env_id, script_name, mean, std)}
 ---
 
 # Cleanba `{script_name}` playing {env_id}

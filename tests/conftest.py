@@ -384,6 +384,7 @@ FILE_SECONDS = {
     "test_evals.py": 18,
     "test_bad_input.py": 13,
     "test_utils.py": 4,
+    "test_house_rules.py": 3,
     "test_memory.py": 1,
     "test_docs.py": 0,
 }

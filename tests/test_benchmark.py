@@ -476,18 +476,41 @@ def test_jax_env_ceiling_writes_a_line_per_env_size_and_torso(workdir):
 # ---------------------------------------------------------------- benchmark/pgx_minatar_check.py
 
 
+STAND_INS = REPO / "benchmark" / "pgx-stand-ins"
+
+
 def stand_in(name: str):
-    """A module of benchmark/pgx_stand_ins, loaded under its own name (not as the real package it stands for)."""
-    spec = importlib.util.spec_from_file_location(
-        f"stand_in_{name}", REPO / "benchmark" / "pgx_stand_ins" / name / "__init__.py"
-    )
+    """A module of benchmark/pgx-stand-ins, loaded under its own name (not as the real package it stands for)."""
+    spec = importlib.util.spec_from_file_location(f"stand_in_{name}", STAND_INS / name / "__init__.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+def test_the_pgx_stand_ins_shadow_no_package_from_the_repository_or_benchmark():
+    """With the repository and benchmark/ first on sys.path (as the tests and the tools have them), wandb, pydantic,
+    omegaconf and distrax are the real packages (or absent), never the stand-ins: their folder's name is no Python
+    name, and only pgx_minatar_check.py's PYTHONPATH for pgx's example names it."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import pgx_minatar_check
+
+    assert pgx_minatar_check.STAND_INS == STAND_INS and not STAND_INS.name.isidentifier()
+    names = sorted(path.parent.name for path in STAND_INS.glob("*/__init__.py"))
+    assert names == ["distrax", "omegaconf", "pydantic", "wandb"]
+    find = "import importlib.util, sys; sys.path[:0] = sys.argv[1:3]; "
+    find += "print(*[str(getattr(importlib.util.find_spec(name), 'origin', None)) for name in sys.argv[3:]])"
+    found = subprocess.run(
+        [sys.executable, "-c", find, str(REPO), str(REPO / "benchmark"), *names],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO / "benchmark",
+    ).stdout.split()
+    assert len(found) == 4 and not any(str(STAND_INS) in origin for origin in found), found
+
+
 def test_pgx_stand_ins_are_distraxs_distribution_and_read_pgxs_arguments(monkeypatch):
-    """pgx's example runs with benchmark/pgx_stand_ins first on its path: its Categorical must be distrax's, and its
+    """pgx's example runs with benchmark/pgx-stand-ins first on its path: its Categorical must be distrax's, and its
     `key=value` arguments must reach its config with their types (its seed above all)."""
     import distrax
     import jax
@@ -546,7 +569,7 @@ def test_pgx_check_reads_pgx_and_our_logs_and_runs_ours_through_haiku_init(tmp_p
     runs = pgx_minatar_check.commands(args)
     assert sorted(runs) == ["default_1", "haiku_1", "pgx_0"]
     assert runs["pgx_0"][0][-3:] == ["env_name=minatar-breakout", "seed=0", "total_timesteps=20000000"]
-    assert runs["pgx_0"][1]["PYTHONPATH"].startswith(str(REPO / "benchmark" / "pgx_stand_ins"))
+    assert runs["pgx_0"][1]["PYTHONPATH"].startswith(str(STAND_INS))
     assert runs["haiku_1"][0][1].endswith("benchmark/haiku_init.py") and "haiku_init.py" not in runs["default_1"][0]
     # its bad input: tests/test_benchmark_tools.py
 
@@ -575,7 +598,9 @@ def test_haiku_init_gives_every_layer_haikus_truncated_normal():
 def test_a_results_files_run_folder_that_is_gone_is_one_line(tmp_path):
     """A table or figure from records whose run folders are on another machine (or removed): one line naming the
     folder, not TensorBoard's DirectoryDeletedError."""
-    from cleanrl_utils.benchmark import read_run
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from tool_helpers import read_run
+
     from cleanrl_utils.errors import UsageError
 
     with pytest.raises(UsageError, match=r"gone: no such run folder"):
@@ -584,8 +609,10 @@ def test_a_results_files_run_folder_that_is_gone_is_one_line(tmp_path):
 
 def test_a_timed_run_beside_a_busy_process_is_not_a_quiet_machines(tmp_path):
     """benchmark tools record how busy other processes kept the CPU during each timed run: beside a process that
-    spins on one core the run is marked, and the README's promised times skip such records (test_docs.py)."""
-    from cleanrl_utils.benchmark import QUIET_LOAD_CORES, quiet, timed_process
+    spins on one core the run is marked, and the README's promised times skip such records (test_docs.py), as they
+    skip a record without the measurement (from before it was made)."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from tool_helpers import QUIET_LOAD_CORES, quiet, timed_process
 
     spin = "import time\nend = time.time() + {}\nwhile time.time() < end: pass"
     burner = subprocess.Popen([sys.executable, "-c", spin.format(4)])
@@ -597,4 +624,5 @@ def test_a_timed_run_beside_a_busy_process_is_not_a_quiet_machines(tmp_path):
     assert run.process.returncode == 0 and run.wall >= 1.5
     assert run.other_load >= 0.5  # at least the burner's share of a core
     assert not quiet({"wall_s": run.wall, "other_load_cores": run.other_load})
-    assert quiet({"wall_s": 40.0, "other_load_cores": QUIET_LOAD_CORES}) and quiet({"wall_s": 40.0})
+    assert quiet({"wall_s": 40.0, "other_load_cores": QUIET_LOAD_CORES})
+    assert not quiet({"wall_s": 40.0}) and not quiet({"wall_s": 40.0, "other_load_cores": None})

@@ -8,11 +8,13 @@ import json
 import re
 import shlex
 import statistics
+import sys
 
 from conftest import REPO
 from markdown.extensions.toc import slugify
 
-from cleanrl_utils.benchmark import quiet
+sys.path.insert(0, str(REPO / "benchmark"))  # as a tool run from there has it
+from tool_helpers import quiet  # noqa: E402
 
 CODE = [*REPO.glob("cleanba/*.py"), *REPO.glob("cleanrl_utils/**/*.py"), *REPO.glob("benchmark/*.py")]
 README = REPO / "README.md"
@@ -159,7 +161,7 @@ def recorded_wall_times() -> dict[tuple[str, frozenset], list[float]]:
         for line in results.read_text().splitlines():
             record = json.loads(line)
             key = run_key(record.get("command", ""))
-            # one seed a run, on a quiet machine (cleanrl_utils/benchmark.py's `quiet`)
+            # one seed a run, on a quiet machine (benchmark/tool_helpers.py's `quiet`)
             if key is not None and "wall_s" in record and "seeds_in_the_process" not in record and quiet(record):
                 times.setdefault(key, []).append(record["wall_s"])
     return times

@@ -32,6 +32,7 @@ import numpy as np
 
 from cleanrl_utils.errors import UsageError
 from cleanrl_utils.flags import MAX_SEED, check_flags
+from cleanrl_utils.script_contract import CONTRACT, missing_names
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,20 +108,20 @@ def script_path(model: dict, script: str | os.PathLike | None = None) -> Path:
     return path
 
 
-def load_script(path: Path):
-    """Import a training script as a module (its `if __name__ == "__main__"` part does not run)."""
+def load_script(path: Path, parts: tuple[str, ...] = ("evaluation",)):
+    """Import a training script as a module (its `if __name__ == "__main__"` part does not run), with the names of
+    `parts` of the script contract (cleanrl_utils/script_contract.py): the evaluator's by default."""
     spec = importlib.util.spec_from_file_location(f"{path.stem}_for_eval", path)
     if spec is None or path.suffix != ".py":
         raise EvalError(f"script {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # registered, so that tools reading its source (tyro's help) find it
     spec.loader.exec_module(module)
-    for name in ["Args", "make_env", "make_eval_policy"]:
-        if not hasattr(module, name):
-            raise EvalError(
-                f"script {str(path)!r} has no {name}: it does not follow the evaluation contract "
-                "(make_env(env_id, seed, num_envs, render_mode), make_eval_policy(args, model, greedy))"
-            )
+    for part, name in missing_names(module, parts):
+        raise EvalError(
+            f"script {str(path)!r} has no {name}: it does not follow the {part} contract ({CONTRACT[part][name].call}; "
+            "cleanrl_utils/script_contract.py)"
+        )
     return module
 
 
