@@ -189,7 +189,7 @@ def make_env(
 
 class MLP(nn.Module):
     """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
-    observations (classic control, MuJoCo; MiniGrid and other dicts flattened by make_env)."""
+    observations (classic control, MuJoCo; MiniGrid's views and other dicts flattened before it)."""
 
     hiddens: Sequence[int]
 

@@ -136,13 +136,14 @@ class MinAtarTorso(nn.Module):
 
 
 class MLP(nn.Module):
-    """tanh MLP on flattened inputs (the Sebulba PPO script's MLP for vector observations)."""
+    """tanh MLP with orthogonal init (PPO paper Sec. 6.1; CleanRL's ppo and ppo_continuous_action) for vector
+    observations (classic control, MuJoCo; MiniGrid's views and other dicts flattened before it)."""
 
     hiddens: Sequence[int]
 
     @nn.compact
     def __call__(self, x):
-        x = x.reshape((x.shape[0], -1)).astype(jnp.float32)
+        x = x.astype(jnp.float32)
         for hidden in self.hiddens:
             x = nn.tanh(nn.Dense(hidden, kernel_init=nn.initializers.orthogonal(np.sqrt(2)))(x))
         return x
@@ -159,7 +160,10 @@ class Agent(nn.Module):
 
     @nn.compact
     def __call__(self, obs):
-        x = MinAtarTorso()(obs) if self.observation_kind == "image" else obs
+        if self.observation_kind == "image":
+            x = MinAtarTorso()(obs)
+        else:  # xminigrid's views, flattened
+            x = obs.reshape((obs.shape[0], -1))
         actor_hidden, critic_hidden = MLP(self.hiddens)(x), MLP(self.hiddens)(x)
         # small policy init and unit value init: CleanRL / "37 implementation details of PPO" (Huang et al. 2022)
         policy_init = nn.initializers.orthogonal(0.01)
@@ -196,7 +200,7 @@ def make_agent(args: Args, key: jax.Array) -> tuple[Agent, TrainState]:
     )
 
 
-# ---------------------------------------------------------------- math (the Sebulba PPO script's, unchanged)
+# ---------------------------------------------------------------- math
 
 
 class Rollout(NamedTuple):
@@ -504,9 +508,7 @@ def make_learner_update(args: Args, agent: Agent, env, mesh: Mesh) -> Callable:
 
 
 # ---------------------------------------------------------------- evaluation: what --save-model saves, and its policy
-# (cleanrl_utils.evals.evaluate and the benchmarks import `make_env`, `make_eval_policy`, `Args`, `make_agent`,
-# `make_jax_env`, `reset_envs`, `rollout`, `make_learner_update`, `LearnerState`, `validate_args` and
-# `check_runtime_values` from this script)
+# (what the evaluator and the tools call in this script: cleanrl_utils/script_contract.py)
 
 
 def saved_model(state: LearnerState) -> list[dict]:

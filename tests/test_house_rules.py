@@ -34,8 +34,8 @@ DIFFERENT_COPIES = {
     "ConvSequence": (TORSO_DTYPE, (("ppo", "impala"),)),
     "ImpalaCNN": (TORSO_DTYPE, (("ppo", "impala"),)),
     "MLP": (
-        "tanh and orthogonal init on-policy, ReLU in the replay scripts (SAC's has float inputs), MinAtar's flattened",
-        (("ppo", "impala", "mujoco_ppo", "onpolicy", "ppo_anakin_continuous"), ("r2d2", "muzero")),
+        "tanh and orthogonal init on-policy, ReLU in the replay scripts (SAC's has float inputs)",
+        (("ppo", "impala", "mujoco_ppo", "onpolicy", "ppo_anakin", "ppo_anakin_continuous"), ("r2d2", "muzero")),
     ),
     "Agent": ("each algorithm's networks", (("ppo", "impala"), ("mujoco_ppo", "ppo_anakin_continuous"))),
     "make_network": ("each script's networks for its action space", (("ppo", "impala"),)),
