@@ -1,7 +1,7 @@
 """Learning runs over env ids x variants x seeds, with a table beside a published result and a figure: the MuJoCo PPO
 script at CleanRL's scale (1M steps, beside CleanRL's ppo_continuous_action), the configurable on-policy agent's
-comparison of policy losses (Andrychowicz et al. 2021), and the Anakin PPO on pgx's MinAtar (20M steps, beside pgx's
-MinAtar PPO example).
+comparison of policy losses (Andrychowicz et al. 2021), the Anakin PPO on pgx's MinAtar (20M steps, beside pgx's
+MinAtar PPO example), and PQN on classic control (beside CleanRL's pqn.py table).
 
     # the MuJoCo PPO script's defaults on CleanRL's six MuJoCo v4 tasks, seeds 1-3
     uv run python benchmark/learning_runs.py --script ppo_continuous_action \\
@@ -22,6 +22,11 @@ MinAtar PPO example).
         --cleanrl-script ../cleanrl/cleanrl/ppo_continuous_action.py --python ../cleanrl/.venv/bin/python \
         --flags=--no-cuda --env-ids CheetahRun-v1 WalkerWalk-v1 CartpoleSwingup-v1 BallInCupCatch-v1 \
         --results benchmark/results/cleanrl_dm_control.jsonl --output static/cleanrl_dm_control.png
+    # PQN at CleanRL's pqn.py settings (500k steps, 4 envs x 128 steps, 4 epochs x 4 minibatches) on its three tasks
+    uv run python benchmark/learning_runs.py --script pqn --env-ids CartPole-v1 Acrobot-v1 MountainCar-v0 \
+        --seeds 1 2 3 4 5 6 7 8 9 10 --total-timesteps 500000 --final-window 20 --flags="--num-actor-threads 1 \
+        --local-num-envs 4 --end-e 0.05 --exploration-fraction 0.5 --log-frequency 1 --checkpoint-frequency 0" \
+        --results benchmark/results/pqn_classic_control.jsonl --output static/pqn_classic_control.png
     uv run python benchmark/learning_runs.py ... --table-only        # the table and figure from --results
     # the same MinAtar runs on one GPU, five at a time, where python3 has JAX with CUDA (no uv)
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmark/learning_runs.py --python python3 --jobs 5 ...
@@ -63,6 +68,7 @@ SCRIPTS = {
     "ppo_continuous_action": "cleanba/cleanba_ppo_continuous_action_envpool_mujoco.py",
     "onpolicy": "cleanba/cleanba_onpolicy_continuous_action_envpool_mujoco.py",
     "ppo_anakin": "cleanba/cleanba_ppo_anakin.py",
+    "pqn": "cleanba/cleanba_pqn_envpool_impala_atari_wrapper.py",
     # CleanRL's own ppo_continuous_action.py (its path in --cleanrl-script; never copied here), run by --python in an
     # environment with its dependencies (CPU torch, gymnasium, shimmy's dm_control wrappers); on envpool's DeepMind
     # Control ids it runs the same task through dm_control itself (CLEANRL_ENV_IDS)
@@ -83,6 +89,13 @@ CLEANRL_PPO = {
     "CartpoleSwingup-v1": (640.86, 11.44),
     "BallInCupCatch-v1": (900.78, 5.26),
 }
+# CleanRL's PQN page (docs/rl-algorithms/pqn.md, "Episode Rewards" of pqn.py): classic control after 500k steps,
+# mean ± std over its seeds
+CLEANRL_PQN = {
+    "CartPole-v1": (495.13, 6.89),
+    "Acrobot-v1": (-95.63, 5.73),
+    "MountainCar-v0": (-200.00, 0.00),
+}
 # envpool's DeepMind Control ids -> the same tasks through gymnasium + shimmy, as CleanRL's script names them
 CLEANRL_ENV_IDS = {
     "CheetahRun-v1": "dm_control/cheetah-run-v0",
@@ -94,6 +107,7 @@ PUBLISHED = {  # per script: (its name in the table, {env id: (mean, std)})
     "ppo_continuous_action": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
     "onpolicy": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
     "ppo_anakin": ("pgx's MinAtar PPO (its README's plot at 20M)", PGX_MINATAR_PPO),
+    "pqn": ("CleanRL pqn.py (published)", CLEANRL_PQN),
     "cleanrl": ("CleanRL ppo_continuous_action (published, 3 seeds)", CLEANRL_PPO),
 }
 LAYOUT = "--num-actor-threads 1 --local-num-envs 8 --actor-device-ids 0 --learner-device-ids 1 --log-frequency 1"
@@ -102,7 +116,7 @@ LAYOUT = "--num-actor-threads 1 --local-num-envs 8 --actor-device-ids 0 --learne
 @dataclass
 class Args:
     script: str = "onpolicy"
-    """ppo_continuous_action, onpolicy or ppo_anakin"""
+    """ppo_continuous_action, onpolicy, ppo_anakin, pqn or cleanrl"""
     env_ids: list[str] = field(default_factory=lambda: list(CLEANRL_PPO))
     variants: list[str] = field(default_factory=lambda: ["default"])
     """the on-policy script's --policy-loss values; for both scripts `default` (no flag) or NAME=FLAGS"""
@@ -268,6 +282,7 @@ def figure(records: list[dict], env_ids: list[str], variants: list[str], script:
         "ppo_continuous_action": "MuJoCo PPO",
         "onpolicy": "Policy losses of the configurable on-policy agent",
         "ppo_anakin": "Anakin PPO on pgx's MinAtar",
+        "pqn": "PQN at CleanRL's pqn.py settings",
         "cleanrl": "CleanRL's own ppo_continuous_action.py",
     }[script]
     fig.suptitle(f"{title}\n({machines(records)}; mean over seeds, band: min-max)")

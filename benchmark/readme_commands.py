@@ -56,6 +56,7 @@ SCRIPTS = {
     "ppo_anakin": "cleanba_ppo_anakin.py",
     "onpolicy_continuous_action": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
     "ppo_continuous_action_anakin": "cleanba_ppo_continuous_action_anakin.py",
+    "pqn": "cleanba_pqn_envpool_impala_atari_wrapper.py",
 }
 # per env id: (threshold, where it comes from, the window in env steps over which the logged average is averaged)
 THRESHOLDS = {
@@ -86,8 +87,8 @@ TAG = "charts/avg_episodic_return"
 class Args:
     algorithms: list[str] = field(default_factory=lambda: list(SCRIPTS))
     """which commands to run: any of ppo, impala, ppo_continuous_action, sac, r2d2, muzero, ppo_anakin,
-    onpolicy_continuous_action, ppo_continuous_action_anakin, or `{algorithm}@{env id}` for a script's further README
-    command"""
+    onpolicy_continuous_action, ppo_continuous_action_anakin, pqn, or `{algorithm}@{env id}` for a script's further
+    README command"""
     seeds: list[int] = field(default_factory=lambda: list(range(1, 11)))
     extra_flags: str = ""
     """flags appended to each command, one string (`--extra-flags="--rmsprop-eps 1e-5"`): a variant, recorded with

@@ -33,6 +33,7 @@ SCRIPTS = {
     "ppo_anakin": "cleanba_ppo_anakin.py",
     "onpolicy": "cleanba_onpolicy_continuous_action_envpool_mujoco.py",
     "ppo_anakin_continuous": "cleanba_ppo_continuous_action_anakin.py",
+    "pqn": "cleanba_pqn_envpool_impala_atari_wrapper.py",
 }
 PAIRS = [
     ("ppo", "impala"),
@@ -44,6 +45,7 @@ PAIRS = [
     ("mujoco_ppo", "onpolicy"),
     ("ppo_anakin", "ppo_anakin_continuous"),
     ("mujoco_ppo", "ppo_anakin_continuous"),
+    ("ppo", "pqn"),
 ]
 
 

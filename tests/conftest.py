@@ -40,6 +40,7 @@ R2D2_SCRIPT = REPO / "cleanba" / "cleanba_r2d2_envpool_impala_atari_wrapper.py"
 ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_anakin.py"
 CONTINUOUS_ANAKIN_SCRIPT = REPO / "cleanba" / "cleanba_ppo_continuous_action_anakin.py"
 ONPOLICY_SCRIPT = REPO / "cleanba" / "cleanba_onpolicy_continuous_action_envpool_mujoco.py"
+PQN_SCRIPT = REPO / "cleanba" / "cleanba_pqn_envpool_impala_atari_wrapper.py"
 # JAX deprecations are errors in every run the tests start (the product must use today's JAX API). The exceptions
 # are third-party: tensorflow-probability (imported by rlax through distrax) reads a deprecated jax.core attribute at
 # import time, and jaxopt (MuJoCo Playground -> brax) warns that it is unmaintained; the filters name those modules.
@@ -374,6 +375,7 @@ FILE_SECONDS = {
     "test_throughput.py": 120,
     "test_smoke.py": 72,
     "test_benchmark.py": 63,
+    "test_pqn.py": 57,  # measured alone on a busy 2-core AMD EPYC (-n 0), not yet in a CI run
     "test_mujoco.py": 56,
     "test_impala.py": 43,
     "test_checkpoint.py": 37,

@@ -13,6 +13,7 @@ from conftest import (
     MUZERO_SCRIPT,
     ONPOLICY_SCRIPT,
     PPO_SCRIPT,
+    PQN_SCRIPT,
     R2D2_SCRIPT,
     REPO,
     SAC_SCRIPT,
@@ -313,6 +314,7 @@ SEBULBA_SCRIPTS = [
     MUJOCO_SCRIPT,
     ONPOLICY_SCRIPT,
     SAC_SCRIPT,
+    PQN_SCRIPT,
 ]
 # the scripts whose defaults every layout splits; the others keep a published batch or minibatch that no multiple of
 # 3 learner devices splits, and the errors there name the values that work

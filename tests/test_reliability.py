@@ -25,6 +25,7 @@ from conftest import (
     MUZERO_SCRIPT,
     ONPOLICY_SCRIPT,
     PPO_SCRIPT,
+    PQN_SCRIPT,
     R2D2_SCRIPT,
     SAC_SCRIPT,
     finish_processes,
@@ -55,6 +56,7 @@ SCRIPTS = {
     "muzero": MUZERO_SCRIPT,
     "anakin": ANAKIN_SCRIPT,
     "onpolicy": ONPOLICY_SCRIPT,
+    "pqn": PQN_SCRIPT,
 }
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tyro
-from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, load_script, read_scalars
+from conftest import IMPALA_SCRIPT, MUJOCO_SCRIPT, PPO_SCRIPT, PQN_SCRIPT, load_script, read_scalars
 
 from cleanrl_utils import summary_writer
 from cleanrl_utils.actors import ActorFailed, ActorThread, ActorThreads, RunStopped, queue_get
@@ -56,7 +56,9 @@ class TinyArgs:
     local_batch_size: int = field(init=False, default=4)
 
 
-@pytest.mark.parametrize("script", [PPO_SCRIPT, IMPALA_SCRIPT, MUJOCO_SCRIPT], ids=["ppo", "impala", "mujoco"])
+@pytest.mark.parametrize(
+    "script", [PPO_SCRIPT, IMPALA_SCRIPT, MUJOCO_SCRIPT, PQN_SCRIPT], ids=["ppo", "impala", "mujoco", "pqn"]
+)
 def test_runtime_values_are_not_flags(script, capsys):
     module = load_script(script)
     with pytest.raises(SystemExit):
