@@ -167,9 +167,13 @@ def recorded_wall_times() -> dict[tuple[str, frozenset], list[float]]:
     return times
 
 
-def test_the_readmes_run_times_are_what_the_ten_seed_runs_recorded():
-    """Each README CPU command's promised time against its newest ten recorded runs: "under N" is at least their
-    longest, "about N" (or a bare "N") within 30% of their median (timings vary by that much between machines)."""
+QUIET_RUNS = 3  # the fewest quiet runs of a command its promised time may rest on (up to its newest ten)
+
+
+def test_the_readmes_run_times_are_what_quiet_runs_recorded():
+    """Each README CPU command's promised time against its newest quiet recorded runs (at least three, at most ten):
+    "under N" is at least their longest, "about N" (or a bare "N") within 30% of their median (timings vary by that
+    much between machines)."""
     recorded, checked, wrong = recorded_wall_times(), 0, []
     blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), re.M | re.S)
     for comment, commands in [group for block in blocks for group in commented_commands(block)]:
@@ -180,13 +184,13 @@ def test_the_readmes_run_times_are_what_the_ten_seed_runs_recorded():
         seconds = (1 if number == "a" else int(number)) * (60 if unit != "s" else 1)
         for command in commands:
             times = recorded.get(run_key(command), [])[-10:]
-            assert len(times) == 10, f"fewer than ten recorded runs of {command}"
+            assert len(times) >= QUIET_RUNS, f"fewer than {QUIET_RUNS} quiet recorded runs of {command}"
             checked += 1
             longest, median = max(times), statistics.median(times)
             if kind == "under " and longest > seconds:
-                wrong.append(f"{comment!r}: the longest of ten runs took {longest} s")
+                wrong.append(f"{comment!r}: the longest of {len(times)} quiet runs took {longest} s")
             if kind != "under " and not seconds / 1.3 <= median <= seconds * 1.3:
-                wrong.append(f"{comment!r}: the median of ten runs is {median} s")
+                wrong.append(f"{comment!r}: the median of {len(times)} quiet runs is {median} s")
     assert not wrong, "\n".join(wrong)
     assert checked >= 11  # the quick start's and the ten below it
 

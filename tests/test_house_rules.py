@@ -28,10 +28,11 @@ DIFFERENT_COPIES = {
     "validate_args": ("each algorithm's flags and their checks", (("ppo_anakin", "ppo_anakin_continuous"),)),
     "make_env": (
         "SAC's and MuZero's docstrings say what they do with envpool's envs; Anakin's are JAX envs, for the evaluator",
-        (("ppo", "impala", "r2d2", "mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
+        (("ppo", "impala", "pqn", "r2d2", "mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
     ),
     "ResidualBlock": (TORSO_DTYPE, (("ppo", "impala"), ("r2d2", "muzero"))),
     "ConvSequence": (TORSO_DTYPE, (("ppo", "impala"),)),
+    "NatureCNN": ("PQN's has LayerNorm after each layer (Gallici et al. 2024)", (("ppo", "impala"),)),
     "ImpalaCNN": (TORSO_DTYPE, (("ppo", "impala"),)),
     "MLP": (
         "tanh and orthogonal init on-policy, ReLU in the replay scripts (SAC's has float inputs)",
@@ -49,14 +50,17 @@ DIFFERENT_COPIES = {
         "each algorithm's action choice (sampled, epsilon-greedy, searched), the MuJoCo scripts' normalization",
         (("mujoco_ppo", "onpolicy"),),
     ),
-    "actor_params": ("what each algorithm's actors act with", (("ppo", "impala", "muzero"),)),
+    "actor_params": ("what each algorithm's actors act with", (("ppo", "impala", "pqn", "muzero"),)),
     "actor_loop": ("what each algorithm's actor computes and stores", (("mujoco_ppo", "onpolicy"),)),
     "LearnerState": (
         "the running statistics, the replay scripts' replay, the Anakin scripts' envs",
-        (("ppo", "impala"), ("mujoco_ppo", "onpolicy")),
+        (("ppo", "impala", "pqn"), ("mujoco_ppo", "onpolicy")),
     ),
     "make_learner_update": ("each algorithm's update", ()),
-    "saved_model": ("what each make_eval_policy reads (the Anakin scripts': one model a seed)", (("ppo", "impala"),)),
+    "saved_model": (
+        "what each make_eval_policy reads (the Anakin scripts': one model a seed)",
+        (("ppo", "impala", "pqn"),),
+    ),
     "make_eval_policy": (
         "each algorithm's action choice in evaluation",
         (("ppo", "impala", "ppo_anakin"), ("mujoco_ppo", "onpolicy")),
@@ -67,11 +71,11 @@ DIFFERENT_COPIES = {
     ),
     "state_summary": (
         "each learner state's parts (statistics, replay, the Anakin scripts' seeds)",
-        (("ppo", "impala"), ("mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
+        (("ppo", "impala", "pqn"), ("mujoco_ppo", "onpolicy"), ("ppo_anakin", "ppo_anakin_continuous")),
     ),
     "main": (
         "the replay scripts' replay, the on-policy script's loss defaults, the Anakin scripts' rollouts in the update",
-        (("ppo", "impala", "mujoco_ppo"), ("ppo_anakin", "ppo_anakin_continuous")),
+        (("ppo", "impala", "pqn", "mujoco_ppo"), ("ppo_anakin", "ppo_anakin_continuous")),
     ),
     "LearnerFns": ("each replay learner's gradient step (R2D2's gives priorities)", ()),
     "make_replay_buffer": ("each algorithm's replay: transitions, prioritized sequences, sequences", ()),
@@ -107,6 +111,7 @@ CONTRACT_PARTS = {
     "sac": REPLAY,
     "r2d2": REPLAY,
     "muzero": REPLAY,
+    "pqn": ON_POLICY,
     "ppo_anakin": ANAKIN,
     "ppo_anakin_continuous": ANAKIN,
 }
