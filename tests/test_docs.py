@@ -162,7 +162,8 @@ def recorded_wall_times() -> dict[tuple[str, frozenset], list[float]]:
             record = json.loads(line)
             key = run_key(record.get("command", ""))
             # one seed a run, on a quiet machine (benchmark/tool_helpers.py's `quiet`)
-            if key is not None and "wall_s" in record and "seeds_in_the_process" not in record and quiet(record):
+            one_seed = "seeds_in_the_process" not in record and len(record.get("seeds", [None])) == 1
+            if key is not None and "wall_s" in record and one_seed and quiet(record):
                 times.setdefault(key, []).append(record["wall_s"])
     return times
 
