@@ -31,13 +31,16 @@
 #                   packs runs/breakout10m (newest checkpoint, TensorBoard events, console logs) into
 #                   breakout10m_part{k}.tar.gz (pieces .00, .01, ... if over 15 MiB); PART_SCRIPT replaces the
 #                   script's path (the CPU test injects slow checkpoints through it)
-#   (i) learner     not in the default list: the learner alone (benchmark/throughput.py --stages learner), its
+#   (i) pqn10m      not in the default list: one part of the PQN Breakout-v5 run at 10M steps (PQN10M_FLAGS: the
+#                   PQN paper's Atari settings, docs/rl-algorithms/pqn.md#breakout-v5-at-10m-steps-on-one-gpu), as
+#                   breakout10m does it (PART_IN, PART_SECONDS, PART_SCRIPT), packed into pqn10m_part{k}.tar.gz
+#   (j) learner     not in the default list: the learner alone (benchmark/throughput.py --stages learner), its
 #                   microseconds per sample for each --network (impala nature) x --compute-dtype (float32 bfloat16),
 #                   LEARNER_ALGORITHMS (ppo impala) on Breakout-v5 with the defaults, a0-l0; gpu_learner.jsonl
-#   (j) sync        not in the default list: the full script's steady SPS without and with --sync-minibatches (the
+#   (k) sync        not in the default list: the full script's steady SPS without and with --sync-minibatches (the
 #                   learner waits for each minibatch step, so pending actor inference runs between them), one right
 #                   after the other, LEARNER_ALGORITHMS on Breakout-v5, a0-l0; gpu_sync.jsonl
-#   (k) cleanba-upstream not in the default list: upstream Cleanba's PPO (CLEANBA_PPO: its cleanba/cleanba_ppo.py,
+#   (l) cleanba-upstream not in the default list: upstream Cleanba's PPO (CLEANBA_PPO: its cleanba/cleanba_ppo.py,
 #                   git-ignored under benchmark/upstream/, run with the edits today's JAX, flax and envpool need) and
 #                   ours, one after the other, PPO Breakout-v5 at our defaults, a0-l0, 30 updates each
 #                   (benchmark/upstream_cleanba.py; UPSTREAM_FLAGS adds its flags): both steady SPS and the ratio,
@@ -51,11 +54,12 @@
 #   the 10M run, one command per part: bash benchmark/gpu.sh OUT breakout10m, then, with the previous part's pack
 #   copied into the working tree (PART_IN: its path, or the stem of its pieces),
 #   PART_IN=benchmark/results/breakout10m_part1.tar.gz bash benchmark/gpu.sh OUT breakout10m
+#   PQN's 10M run the same way: bash benchmark/gpu.sh OUT pqn10m, then PART_IN=... bash benchmark/gpu.sh OUT pqn10m
 #   upstream Cleanba beside ours (docs/performance.md#upstream-cleanba-beside-ours):
 #   CLEANBA_PPO=benchmark/upstream/cleanba_ppo.py bash benchmark/gpu.sh OUT cleanba-upstream
 # PY picks the interpreter (default: uv with the CUDA extra; on a machine without network, the device kit below).
-# SCRIPT_FLAGS: more flags for the learner, sync and breakout10m sections' runs, after theirs (the last value of a flag
-# counts: smaller sizes for a rehearsal on a CPU).
+# SCRIPT_FLAGS: more flags for the learner, sync, breakout10m and pqn10m sections' runs, after theirs (the last value
+# of a flag counts: smaller sizes for a rehearsal on a CPU).
 # The device kit (benchmark/device_kit.py, benchmark/DEVICE_RUNBOOK.md): when PY is
 # unset and DEVICE_KIT (default: the repository's benchmark/device_kit) holds one, its wheels are installed with
 # python3's pip (--no-index --no-deps) into a temporary folder put on PYTHONPATH with the repository, and python3
@@ -64,7 +68,7 @@
 # Results: gpu_env_ceiling.jsonl, gpu_throughput.jsonl (one JSON line per config, markdown table printed),
 # gpu_curve.txt, gpu_minatar_ppo.jsonl and .png, gpu_jax_env_ceiling.jsonl, gpu_anakin_minatar_sps.txt,
 # gpu_env_ceiling_sweep.jsonl with lscpu.txt and nvidia_smi.txt, breakout10m_parts.jsonl (one JSON line per part)
-# with each part's breakout10m_part{k}.log and pack; the runs stay in runs/.
+# with each part's breakout10m_part{k}.log and pack (pqn10m_ the same); the runs stay in runs/.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)  # the scripts and tools are named by their path in it
 out=${1:-$repo/benchmark/results}
@@ -79,7 +83,8 @@ MINATAR=${MINATAR:-minatar-breakout minatar-asterix minatar-freeway minatar-seaq
 # pgx's examples/minatar-ppo settings (docs/studies/minatar_pgx.md)
 PGX_PPO="--local-num-envs 4096 --num-steps 128 --update-epochs 3 --num-minibatches 128 --no-anneal-lr \
   --learning-rate 3e-4 --clip-coef 0.2 --ent-coef 0.01 --hiddens 64 64"
-SECTIONS="ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream ceiling-sweep breakout10m learner sync"
+SECTIONS="ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream ceiling-sweep breakout10m pqn10m"
+SECTIONS="$SECTIONS learner sync"
 # every argument is checked before the first section runs: a typo in the last section would otherwise end the command
 # after hours of the others, and a flag (there are none: the settings are environment variables) would be a folder
 case $out in
@@ -102,6 +107,10 @@ for section in $sections; do
   [ "$section" != cleanba-upstream ] || [ -f "${CLEANBA_PPO:-}" ] ||
     { echo "error: cleanba-upstream needs CLEANBA_PPO, upstream Cleanba's cleanba/cleanba_ppo.py" >&2; exit 2; }
 done
+if [[ -n "${PART_IN:-}" && " $sections " == *" breakout10m "* && " $sections " == *" pqn10m "* ]]; then
+  echo "error: PART_IN names one run's pack: give breakout10m or pqn10m, not both, with it" >&2
+  exit 2
+fi
 [ -z "${DEVICE_KIT:-}" ] || [ -f "$DEVICE_KIT/manifest.json" ] || {
   echo "error: DEVICE_KIT '$DEVICE_KIT' holds no device kit (no manifest.json; benchmark/device_kit.py builds one)" >&2
   exit 2
@@ -141,6 +150,26 @@ BREAKOUT10M_FLAGS=${BREAKOUT10M_FLAGS:-"--env-id Breakout-v5 $GPU0 --total-times
   --run-name breakout10m --exp-name breakout10m --network nature --num-actor-threads 4 --local-num-envs 32 \
   --num-steps 64 --num-minibatches 8 --update-epochs 2 --learning-rate 8e-4 --clip-coef 0.2 --sync-minibatches \
   --log-frequency 1 --checkpoint-frequency 100 --checkpoint-keep 2"}
+# PQN's 10M-step Breakout run (the issue's target: an average return of 385 at 10M steps within 15 minutes of training,
+# CleanRL's PQN 384.85 in 42.8 minutes): the PQN paper's Atari settings (purejaxql's pqn_atari: 128 envs x 32 steps,
+# 2 epochs of 32 minibatches, epsilon to 0.001 over the first 10%, a constant learning rate), its 128 envs in the same
+# 4 pools of 32 as PPO's run (why: docs/rl-algorithms/pqn.md#breakout-v5-at-10m-steps-on-one-gpu); a checkpoint every
+# 200 updates (819k steps)
+PQN10M_FLAGS=${PQN10M_FLAGS:-"--env-id Breakout-v5 $GPU0 --total-timesteps 10000000 --seed 1 --run-name pqn10m \
+  --exp-name pqn10m --network nature --num-actor-threads 4 --local-num-envs 32 --num-steps 32 --num-minibatches 32 \
+  --update-epochs 2 --end-e 0.001 --no-anneal-lr --sync-minibatches --log-frequency 1 --checkpoint-frequency 200 \
+  --checkpoint-keep 2"}
+# one part of a run of NAME (the script and its flags after that): benchmark/train_in_parts.py, resuming PART_IN
+train_part() {
+  local name=$1 script=$2
+  shift 2
+  # shellcheck disable=SC2086
+  $PY "$repo/benchmark/train_in_parts.py" --out "$out" --name "$name" --seconds "${PART_SECONDS:-480}" \
+    ${PART_IN:+--part-in "$PART_IN"} -- ${PART_SCRIPT:-"$script"} "$@" ${SCRIPT_FLAGS:-}
+  code=$?
+  [ "$code" -ne 2 ] || exit 2  # a bad flag or a missing, unreadable or damaged PART_IN: one error line, nothing started
+  [ "$code" -eq 0 ] || { echo "!! $name part failed ($code)"; status=1; }
+}
 
 for section in $sections; do
   case $section in
@@ -212,12 +241,11 @@ for section in $sections; do
     ;;
   breakout10m)
     # shellcheck disable=SC2086
-    $PY "$repo/benchmark/train_in_parts.py" --out "$out" --name breakout10m --seconds "${PART_SECONDS:-480}" \
-      ${PART_IN:+--part-in "$PART_IN"} -- ${PART_SCRIPT:-"$repo/cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py"} \
-      $BREAKOUT10M_FLAGS ${SCRIPT_FLAGS:-}
-    code=$?
-    [ "$code" -ne 2 ] || exit 2  # a bad flag or a missing, unreadable or damaged PART_IN: one error line, nothing started
-    [ "$code" -eq 0 ] || { echo "!! breakout10m part failed ($code)"; status=1; }
+    train_part breakout10m "$repo/cleanba/cleanba_ppo_envpool_impala_atari_wrapper.py" $BREAKOUT10M_FLAGS
+    ;;
+  pqn10m)
+    # shellcheck disable=SC2086
+    train_part pqn10m "$repo/cleanba/cleanba_pqn_envpool_impala_atari_wrapper.py" $PQN10M_FLAGS
     ;;
   learner)
     for algorithm in ${LEARNER_ALGORITHMS:-ppo impala}; do

@@ -11,10 +11,11 @@
 #      pools x 4 envs, 1 s each), learner and sync (PPO and IMPALA; SCRIPT_FLAGS: 4 envs x 8 steps), breakout10m
 #      with the 10M run's flags (BREAKOUT10M_FLAGS' default: 4 actor threads, the Nature CNN, 2 epochs, ...; the
 #      envs and steps SCRIPT_FLAGS') for REHEARSAL_PART_SECONDS (90) and a second part that resumes the first's pack,
-#      and cleanba-upstream (tiny) when CLEANBA_PPO names upstream's cleanba_ppo.py;
+#      pqn10m the same with PQN's run (PQN10M_FLAGS' default), and cleanba-upstream (tiny) when CLEANBA_PPO names
+#      upstream's cleanba_ppo.py;
 #   4. one line per section: ran, or failed (its log in the results folder).
 #
-# usage (from any folder; needs uv, the package index for steps 1 and 2 the first time, and 25 minutes of 2 busy cores):
+# usage (from any folder; needs uv, the package index for steps 1 and 2 the first time, and 30 minutes of 2 busy cores):
 #   bash benchmark/rehearse_device_kit.sh [results folder]   (default /tmp/cleanba-rehearsal/results; an earlier
 #   rehearsal's results there are replaced)
 set -uo pipefail
@@ -80,7 +81,7 @@ out=$(mkdir -p "$out" && cd "$out" && pwd) || exit 1
 cd "$work" || exit 1
 export PATH="$venv/bin:$PATH" DEVICE_KIT=$kit PYTHONUNBUFFERED=1
 unset PY
-sections="ceiling-sweep learner sync breakout10m"
+sections="ceiling-sweep learner sync breakout10m pqn10m"
 [ -z "${CLEANBA_PPO:-}" ] || sections="$sections cleanba-upstream"
 export SWEEP_ENV_ID=Breakout-v5 SWEEP_POOLS="1 2" SWEEP_ENVS=4 SWEEP_THREADS=1 SWEEP_SECONDS=1
 export SCRIPT_FLAGS="--local-num-envs 4 --num-steps 8 --num-minibatches 2"  # the 10M run's flags, tiny sizes
@@ -90,8 +91,10 @@ export UPSTREAM_FLAGS="--local-num-envs 4 --num-steps 8 --channels 4 --hiddens 1
 started=$(date +%s)
 # shellcheck disable=SC2086
 bash "$repo/benchmark/gpu.sh" "$out" $sections 2>&1 | tee "$out/rehearsal.log"
-PART_IN=$out/breakout10m_part1.tar.gz bash "$repo/benchmark/gpu.sh" "$out" breakout10m 2>&1 |
-  tee "$out/rehearsal_part2.log"
+for run in breakout10m pqn10m; do
+  PART_IN=$out/${run}_part1.tar.gz bash "$repo/benchmark/gpu.sh" "$out" "$run" 2>&1 |
+    tee "$out/rehearsal_${run}_part2.log"
+done
 
 echo "== the rehearsal, $(($(date +%s) - started)) s: the kit $(du -sm "$kit" | cut -f1) MiB"
 grep -h "^== device kit:" "$out"/rehearsal*.log
@@ -108,17 +111,26 @@ check ceiling-sweep gpu_env_ceiling_sweep.jsonl env_ceiling.py
 check learner gpu_learner.jsonl "--stages learner"
 check sync gpu_sync.jsonl "sync-minibatches"
 check "breakout10m, parts 1 and 2" breakout10m_parts.jsonl breakout10m
+check "pqn10m, parts 1 and 2" pqn10m_parts.jsonl pqn10m
 [ -z "${CLEANBA_PPO:-}" ] && echo "skipped: cleanba-upstream (CLEANBA_PPO: upstream's cleanba_ppo.py, not set)" ||
   check cleanba-upstream gpu_cleanba_upstream.jsonl upstream_cleanba.py
-"$venv/bin/python3" - "$out/breakout10m_parts.jsonl" <<'EOF' || status=1
+"$venv/bin/python3" - "$out" breakout10m pqn10m <<'EOF' || status=1
 import json, sys
-try:
-    parts = [json.loads(line) for line in open(sys.argv[1])]
-except OSError:
-    sys.exit("FAILED: breakout10m: no parts")
-if len(parts) != 2 or not 0 < parts[0]["end_update"] == parts[1]["start_update"] < parts[1]["end_update"]:
-    sys.exit(f"FAILED: breakout10m: part 2 did not resume part 1 ({parts})")
-for p in parts:
-    print(f"  part {p['part']}: updates {p['start_update']} -> {p['end_update']}, exit code {p['exit_code']}")
+from pathlib import Path
+failed = False
+for run in sys.argv[2:]:
+    try:
+        parts = [json.loads(line) for line in open(Path(sys.argv[1]) / f"{run}_parts.jsonl")]
+    except OSError:
+        print(f"FAILED: {run}: no parts")
+        failed = True
+        continue
+    if len(parts) != 2 or not 0 < parts[0]["end_update"] == parts[1]["start_update"] < parts[1]["end_update"]:
+        print(f"FAILED: {run}: part 2 did not resume part 1 ({parts})")
+        failed = True
+        continue
+    for p in parts:
+        print(f"  {run} part {p['part']}: updates {p['start_update']} -> {p['end_update']}, exit code {p['exit_code']}")
+sys.exit(failed)
 EOF
 exit $status

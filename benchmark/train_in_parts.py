@@ -17,6 +17,8 @@ Each part
 A missing, unreadable or damaged --part-in (a piece missing, cut short, out of order or with a changed byte), or one
 that holds no checkpoint of the run, is one `error:` line and exit code 2, before anything is started or changed on
 disk: the whole pack is checked first, and an existing runs/{run name} is replaced only by a complete unpacked copy.
+A script that refuses its flags (its one `error:` line, exit code 2, within seconds) gives that line and exit code 2
+here too, with no part recorded or packed.
 
 usage (from the repository root):
   python benchmark/train_in_parts.py --out OUT --name breakout10m [--part-in OUT/breakout10m_part1.tar.gz] \\
@@ -219,6 +221,15 @@ def summary(lines: list[str], exit_code: int, part: int, run_dir: Path, wall: fl
     }
 
 
+def refusal(lines: list[str], exit_code: int) -> str | None:
+    """The script's own error line when it refused its flags (exit code 2 before any update was logged or saved),
+    without its `error: `; None when it ran."""
+    if exit_code != 2 or any(LOGGED.search(line) or CHECKPOINT_SAVED.search(line) for line in lines):
+        return None
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else "the script exited with code 2 before its first update"
+
+
 def main(argv: list[str]) -> int:
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the folder the pack and the JSON lines go to")
@@ -243,6 +254,7 @@ def main(argv: list[str]) -> int:
         print(f"removing {run_dir}: a part without --part-in starts afresh")
         shutil.rmtree(run_dir)
     part = parts_done(run_dir) + 1
+    created = [folder for folder in [run_dir, run_dir.parent] if not folder.exists()]  # removed if the script refuses
     run_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"== part {part} of {run_name}: {args.seconds:.0f} s", flush=True)
@@ -250,6 +262,11 @@ def main(argv: list[str]) -> int:
     exit_code, lines = train(command, args.seconds, args.grace, run_dir / f"part{part}.log")
     result = summary(lines, exit_code, part, run_dir, time.time() - start)
     result["peak_gpu_memory_mib"] = memory.stop()
+    if error := refusal(lines, exit_code):  # no part ran: nothing is recorded or packed, the run is as it was
+        (run_dir / f"part{part}.log").unlink()
+        for folder in created:
+            shutil.rmtree(folder)
+        raise UsageError(error)
     with open(run_dir / "parts.jsonl", "a") as parts:
         parts.write(json.dumps(result) + "\n")
     shutil.copy(run_dir / f"part{part}.log", args.out / f"{args.name}_part{part}.log")

@@ -204,7 +204,7 @@ CASES = {
     "gpu.sh unknown section": (  # the first section would run for minutes before the second was read
         "gpu.sh {tmp}/out ceiling curves",
         "unknown section 'curves' (allowed: ceiling throughput curve minatar jax-ceiling pgx-check cleanba-upstream "
-        "ceiling-sweep breakout10m learner sync)",
+        "ceiling-sweep breakout10m pqn10m learner sync)",
     ),
     # benchmark/throughput.sh [RESULTS [SCRIPTS FOLDER]]
     "throughput.sh unknown flag": ("throughput.sh --help", "--help"),

@@ -355,6 +355,24 @@ def test_gpu_benchmarks_breakout10m_refuses_bad_settings_in_one_line(settings, e
     assert not (workdir / "runs").exists()
 
 
+@pytest.mark.parametrize("run", ["breakout10m", "pqn10m"])
+def test_gpu_benchmarks_10m_runs_default_flags_are_their_scripts(run, workdir):
+    """Each 10M run's default flags (BREAKOUT10M_FLAGS, PQN10M_FLAGS) parse and pass its script's checks: with one bad
+    value planted after them, that value is the one error, before anything starts."""
+    completed = gpu_sh(workdir, [run], {"SCRIPT_FLAGS": "--max-grad-norm -1"})
+    assert completed.returncode == 2, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert completed.stderr.strip() == "error: --max-grad-norm must be positive and finite, got -1.0"
+    assert not (workdir / "runs").exists() and not any((workdir / "out").iterdir())
+
+
+def test_gpu_benchmarks_one_pack_resumes_one_run(workdir):
+    completed = gpu_sh(workdir, ["breakout10m", "pqn10m"], {"PART_IN": "part1.tar.gz"})
+    assert (completed.returncode, completed.stderr.strip()) == (
+        2,
+        "error: PART_IN names one run's pack: give breakout10m or pqn10m, not both, with it",
+    )
+
+
 @pytest.mark.parametrize("pack", ["missing", "not a pack", "no checkpoint"])
 def test_gpu_benchmarks_breakout10m_refuses_a_bad_part_in_in_one_line(pack, workdir):
     part_in = workdir / "part1.tar.gz"
