@@ -103,6 +103,13 @@ class Run:
 
 FAULT_INJECTION = REPO / "tests" / "fault_injection.py"
 
+# the console's checkpoint and final lines (cleanrl_utils/checkpoints.py): update, global step and the state's
+# digests as one string ("params sha256=..." and, per script, "stats sha256=...", "optimizer sha256=...", ...)
+STATE = r"\w+ sha256=[0-9a-f]{64}(?: \w+ sha256=[0-9a-f]{64})*"
+SAVED = re.compile(rf"checkpoint saved: update=(\d+) global_step=(\d+) ({STATE})")
+RESUMED = re.compile(rf"resumed from checkpoint: update=(\d+) global_step=(\d+) ({STATE})")
+FINAL = re.compile(rf"final ({STATE})")
+
 
 def script_command(
     args: list[str], run_name: str | None, script: Path = PPO_SCRIPT, fault: list[str] | None = None

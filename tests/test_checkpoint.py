@@ -1,7 +1,6 @@
 """Never lose a run: periodic checkpoints, SIGTERM/Ctrl-C checkpoint and exit, resume, bad checkpoints."""
 
 import dataclasses
-import re
 import shutil
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import read_scalars, run_script, script_command, script_env, wait_for_line
+from conftest import FINAL, RESUMED, SAVED, read_scalars, run_script, script_command, script_env, wait_for_line
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from test_utils import TinyArgs, checkpoints_of, restore_values, save_values
 
@@ -23,9 +22,6 @@ CARTPOLE = (
     "--learner-device-ids 1 --total-timesteps 3072 --checkpoint-frequency 3 --checkpoint-keep 2 "
     "--log-frequency 1"
 ).split()
-SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
-RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=(\d+) params sha256=([0-9a-f]{64})")
-FINAL = re.compile(r"final params sha256=([0-9a-f]{64})")
 
 
 def interrupt(workdir, run_name, flags, after_update, sig=signal.SIGTERM):

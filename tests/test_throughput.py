@@ -13,7 +13,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, TINY_BREAKOUT, read_scalars, script_env
+from conftest import IMPALA_SCRIPT, PPO_SCRIPT, REPO, RESUMED, SAVED, TINY_BREAKOUT, read_scalars, script_env
 
 from cleanrl_utils.errors import UsageError
 
@@ -476,10 +476,6 @@ def test_a_damaged_pack_is_one_line_and_leaves_the_run_folder_as_it_was(kind, wo
     assert tree_digests(workdir) == before
 
 
-SAVED = re.compile(r"checkpoint saved: update=(\d+) global_step=\d+ (params sha256=[0-9a-f]{64})")
-RESUMED = re.compile(r"resumed from checkpoint: update=(\d+) global_step=\d+ (params sha256=[0-9a-f]{64})")
-
-
 @pytest.mark.slow
 def test_gpu_benchmarks_breakout10m_trains_in_parts_carried_to_another_folder(tmp_path_factory):
     """Part 1 is stopped by SIGTERM after its budget; its pack, moved to another folder (the GPU machine's next call
@@ -511,8 +507,8 @@ def test_gpu_benchmarks_breakout10m_trains_in_parts_carried_to_another_folder(tm
         assert result["peak_gpu_memory_mib"] is None  # no nvidia-smi here
     # part 2 resumed the very state part 1 saved last, bit for bit, read from the moved pack
     part1_log = (first / "out" / "breakout10m_part1.log").read_text()
-    saved = dict(SAVED.findall(part1_log))
-    assert RESUMED.findall(part2.stdout) == [(str(stopped_at), saved[str(stopped_at)])]
+    saved = {update: state for update, _, state in SAVED.findall(part1_log)}
+    assert [(u, s) for u, _, s in RESUMED.findall(part2.stdout)] == [(str(stopped_at), saved[str(stopped_at)])]
     assert result1["end_state"] == saved[str(stopped_at)]
     # the run's history travelled with it: every update's scalars once, both parts' logs and lines
     run_dir = second / "runs" / "tiny"
